@@ -1,0 +1,232 @@
+r"""Label-free Gaussian discriminant head (paper Section 3.2, Eqs. 3-9; math room).
+
+Everything here is computed from a handful of **sums over samples** (:class:`MomentSums`), so a
+sharded dataset gives the same head as one pass once the sums are reduced.
+
+Two covariance estimators:
+
+* ``"paper"`` -- Eq. 7 literally: :math:`\hat\Sigma = \hat M - \frac1K\sum_j z_j z_j^\top` with
+  class means :math:`z_j`. On unit-norm CLIP features :math:`\operatorname{tr}\hat M = 1 =
+  \operatorname{tr}(\frac1K Z^\top Z)`, so :math:`\hat\Sigma` has trace 0 and is never positive
+  definite.
+* ``"soft"`` (default) -- the within-class scatter under the zero-shot posterior
+  :math:`p_{ij} = \mathrm{softmax}(f_c(x_i)/\tau_c)_j`:
+
+  .. math::
+      \hat\pi_j = \tfrac1N\textstyle\sum_i p_{ij},\quad
+      m_j = \frac{\sum_i p_{ij} x_i}{\sum_i p_{ij}},\quad
+      \hat\Sigma = \hat M - \sum_j \hat\pi_j m_j m_j^\top
+      = \tfrac1N\textstyle\sum_{i,j} p_{ij}(x_i - m_j)(x_i - m_j)^\top \succeq 0,
+
+  shrunk towards :math:`\frac{\operatorname{tr}\hat\Sigma}{d} I` with the Oracle Approximating
+  Shrinkage intensity (Chen et al. 2010, as in scikit-learn's ``OAS``), which needs only
+  :math:`\hat\Sigma` and N. The class means of the head are :math:`m_j`. It is Eq. 5 with
+  :math:`\pi` and the class means estimated instead of assumed: under the paper's model with
+  the Bayes posterior as :math:`p`, :math:`m_j \to z_j`, :math:`\hat\pi_j \to \pi_j` and
+  :math:`\hat\Sigma \to \Sigma`, i.e. it reduces to Eq. 7.
+
+The head (Eq. 9): :math:`w_j = \hat\Sigma^{-1}\mu_j`, :math:`b_j = -\frac12\mu_j^\top w_j`,
+solved by Cholesky (``"soft"``) or LU (``"paper"``, indefinite), never by ``inverse``.
+Shapes: N samples, K classes, d embedding dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from frolic_tta.streams import ReduceFn
+
+Covariance = Literal["soft", "paper"]
+COVARIANCES = ("soft", "paper")
+
+
+@dataclass
+class MomentSums:
+    """Additive sufficient statistics of one shard (float64).
+
+    Attributes:
+        count: ``()`` number of samples N.
+        feature_sum: ``(d,)`` :math:`\\sum_i x_i`.
+        outer_sum: ``(d, d)`` :math:`\\sum_i x_i x_i^\\top`.
+        soft_count: ``(K,)`` :math:`\\sum_i p_{ij}` under the zero-shot posterior.
+        soft_sum: ``(K, d)`` :math:`\\sum_i p_{ij} x_i`.
+    """
+
+    count: Tensor
+    feature_sum: Tensor
+    outer_sum: Tensor
+    soft_count: Tensor
+    soft_sum: Tensor
+
+    def reduce(self, reduce_fn: ReduceFn) -> MomentSums:
+        """Sum every field over shards with ``reduce_fn``."""
+        return MomentSums(*(reduce_fn(getattr(self, f.name)) for f in fields(self)))
+
+    def __add__(self, other: MomentSums) -> MomentSums:
+        return MomentSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def zero_shot_posterior(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
+    """Zero-shot posterior :math:`\\mathrm{softmax}(x Z^\\top / \\tau_c)` in float64, ``(N, K)``."""
+    logits = features.to(torch.float64) @ prototypes.to(torch.float64).t()
+    return torch.softmax(logits / tau_c, dim=1)
+
+
+def moment_sums(features: Tensor, prototypes: Tensor, tau_c: float) -> MomentSums:
+    """The sums of one shard (functional twin of :class:`frolic_tta.stats.FrolicMoments`).
+
+    Args:
+        features: ``(n, d)`` image features of the shard (any float dtype).
+        prototypes: ``(K, d)`` class prototypes.
+        tau_c: zero-shot temperature of the posterior used for the soft statistics.
+
+    Returns:
+        :class:`MomentSums` in float64.
+    """
+    x = features.to(torch.float64)
+    posterior = zero_shot_posterior(x, prototypes, tau_c)
+    return MomentSums(
+        count=torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
+        feature_sum=x.sum(0),
+        outer_sum=x.t() @ x,
+        soft_count=posterior.sum(0),
+        soft_sum=posterior.t() @ x,
+    )
+
+
+def oas_shrinkage(covariance: Tensor, num_samples: float) -> float:
+    r"""Oracle Approximating Shrinkage intensity, as scikit-learn's ``oas``.
+
+    .. math::
+        \rho = \min\!\Big(1, \frac{\alpha + \mu^2}{(N + 1)(\alpha - \mu^2/d)}\Big),\quad
+        \mu = \frac{\operatorname{tr}\Sigma}{d},\ \alpha = \operatorname{mean}(\Sigma^{\circ 2})
+
+    Args:
+        covariance: ``(d, d)`` empirical covariance.
+        num_samples: N.
+    """
+    d = covariance.shape[0]
+    mu = torch.diagonal(covariance).sum() / d
+    alpha = (covariance**2).mean()
+    den = (num_samples + 1.0) * (alpha - mu**2 / d)
+    if float(den) <= 0.0:
+        return 1.0
+    return float(torch.clamp((alpha + mu**2) / den, max=1.0))
+
+
+def shrink(covariance: Tensor, shrinkage: float) -> Tensor:
+    """:math:`(1-\\rho)\\Sigma + \\rho\\,\\frac{\\operatorname{tr}\\Sigma}{d} I`, ``(d, d)``."""
+    d = covariance.shape[0]
+    mu = torch.diagonal(covariance).sum() / d
+    shrunk = (1.0 - shrinkage) * covariance
+    shrunk.diagonal().add_(shrinkage * mu)
+    return shrunk
+
+
+@dataclass
+class GaussianHead:
+    """A fitted label-free GDA head, float64.
+
+    Attributes:
+        weight: ``(K, d)`` rows :math:`w_j` (Eq. 9).
+        bias: ``(K,)`` :math:`b_j`.
+        class_means: ``(K, d)`` means :math:`\\mu_j` the head was built from.
+        shared_covariance: ``(d, d)`` :math:`\\hat\\Sigma` (after shrinkage).
+        shrinkage: OAS intensity used (0 for ``"paper"``).
+        class_weights: ``(K,)`` :math:`\\hat\\pi_j` (uniform for ``"paper"``).
+    """
+
+    weight: Tensor
+    bias: Tensor
+    class_means: Tensor
+    shared_covariance: Tensor
+    shrinkage: float
+    class_weights: Tensor
+
+
+def shared_covariance(
+    sums: MomentSums,
+    prototypes: Tensor,
+    covariance: Covariance = "soft",
+    shrinkage: float | Literal["oas"] | None = "oas",
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """Estimate :math:`\\hat\\Sigma`, class means and class weights from reduced sums.
+
+    Args:
+        sums: reduced :class:`MomentSums` of the whole dataset.
+        prototypes: ``(K, d)``.
+        covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7).
+        shrinkage: ``"oas"``, a float in [0, 1], or ``None`` (``"soft"`` only).
+
+    Returns:
+        ``(covariance (d, d), class_means (K, d), class_weights (K,), shrinkage)``.
+    """
+    if covariance not in COVARIANCES:
+        raise ValueError(
+            f"Expected `covariance` to be one of {COVARIANCES}, but got {covariance!r}"
+        )
+    n = float(sums.count)
+    second_moment = sums.outer_sum / n
+    z = prototypes.to(device=second_moment.device, dtype=torch.float64)
+    k = z.shape[0]
+    if covariance == "paper":
+        sigma = second_moment - z.t() @ z / k
+        return sigma, z, torch.full((k,), 1.0 / k, dtype=torch.float64, device=z.device), 0.0
+
+    global_mean = sums.feature_sum / n
+    weights = sums.soft_count / n
+    occupied = sums.soft_count > 0
+    safe = torch.where(occupied, sums.soft_count, torch.ones_like(sums.soft_count))
+    means = torch.where(occupied[:, None], sums.soft_sum / safe[:, None], global_mean[None, :])
+    # sum_j pi_j m_j m_j^T = (1/N) sum_j s_j s_j^T / n_j, without any K x K matrix
+    between = (sums.soft_sum / safe[:, None]).t() @ sums.soft_sum / n
+    sigma = second_moment - between
+    sigma = 0.5 * (sigma + sigma.t())
+    if shrinkage is None:
+        rho = 0.0
+    elif shrinkage == "oas":
+        rho = oas_shrinkage(sigma, n)
+    else:
+        rho = float(shrinkage)
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(
+                f"Expected `shrinkage` in [0, 1], 'oas' or None, but got {shrinkage!r}"
+            )
+    return shrink(sigma, rho), means, weights, rho
+
+
+def fit_gaussian_head(
+    sums: MomentSums,
+    prototypes: Tensor,
+    covariance: Covariance = "soft",
+    shrinkage: float | Literal["oas"] | None = "oas",
+) -> GaussianHead:
+    """Fit the GDA head :math:`f_g(x)_j = w_j^\\top x + b_j` (Eq. 9) from reduced sums.
+
+    Raises:
+        ValueError: if the covariance is singular (``"paper"``) or not positive definite
+            (``"soft"`` without shrinkage and with fewer samples than dimensions).
+    """
+    sigma, means, weights, rho = shared_covariance(sums, prototypes, covariance, shrinkage)
+    if covariance == "soft":
+        factor, info = torch.linalg.cholesky_ex(sigma)
+        if int(info) != 0:
+            raise ValueError(
+                "Expected the soft within-class covariance to be positive definite, but its "
+                f"Cholesky factorisation failed at column {int(info)}; use shrinkage='oas'"
+            )
+        weight = torch.cholesky_solve(means.t(), factor).t()
+    else:
+        solved, info = torch.linalg.solve_ex(sigma, means.t())
+        if int(info) != 0:
+            raise ValueError(
+                "Expected the Eq. 7 covariance to be invertible, but it is singular "
+                f"(LU pivot {int(info)} is zero)"
+            )
+        weight = solved.t()
+    bias = -0.5 * (means * weight).sum(1)
+    return GaussianHead(weight, bias, means, sigma, rho, weights)

@@ -1,0 +1,136 @@
+"""Chunked logits and the injected reduce function (math room: pure torch).
+
+Every dataset-wide quantity in Frolic is a *sum over samples*. The estimators never hold more
+than one ``(chunk, K)`` block of logits at a time unless the caller hands them a full tensor;
+they iterate a :class:`LogitSource` and pass each sum through one injected ``reduce_fn``
+(identity in one process, an all-reduce-sum in a process group). Because every decision in an
+iterative loop is taken on reduced values, every rank takes the same decisions and calls
+``reduce_fn`` the same number of times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+ReduceFn = Callable[[Tensor], Tensor]
+"""Sums a tensor over all shards and returns the sum (must not be a mean)."""
+
+DEFAULT_CHUNK_SIZE = 8192
+
+
+def identity_reduce(tensor: Tensor) -> Tensor:
+    """The reduce function of a single process: returns its input."""
+    return tensor
+
+
+def check_matrix(name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | None = None) -> None:
+    """Validate a 2-D floating tensor with finite values.
+
+    Raises:
+        ValueError: if ``tensor`` is not 2-D floating, has fewer than ``min_rows`` rows, has a
+            column count other than ``cols``, or holds NaN/inf.
+    """
+    if not isinstance(tensor, Tensor):
+        raise ValueError(f"Expected `{name}` to be a torch.Tensor, but got {type(tensor).__name__}")
+    if tensor.ndim != 2:
+        raise ValueError(f"Expected `{name}` to be 2-D, but got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"Expected `{name}` to be floating point, but got {tensor.dtype}")
+    if tensor.shape[0] < min_rows:
+        raise ValueError(
+            f"Expected `{name}` to have at least {min_rows} rows, but got {tensor.shape[0]}"
+        )
+    if cols is not None and tensor.shape[1] != cols:
+        raise ValueError(
+            f"Expected `{name}` to have {cols} columns (dimension mismatch), "
+            f"but got shape {tuple(tensor.shape)}"
+        )
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"Expected `{name}` to hold only finite values, but found NaN or inf")
+
+
+def compute_dtype(tensor: Tensor) -> torch.dtype:
+    """float64 stays float64; every other floating dtype is computed in float32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+class LogitSource:
+    """Logits of the local shard, delivered as row chunks.
+
+    Subclasses implement :meth:`chunks`. ``num_samples`` is local (this shard's) N.
+    """
+
+    num_samples: int
+    num_classes: int
+
+    def chunks(self) -> Iterator[tuple[int, Tensor]]:
+        """Yield ``(start, logits)`` with ``logits`` of shape ``(n, K)`` covering the rows."""
+        raise NotImplementedError
+
+
+class TensorLogits(LogitSource):
+    """A materialised ``(N, K)`` logit tensor, iterated in row chunks."""
+
+    def __init__(self, logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.logits = logits
+        self.num_samples, self.num_classes = logits.shape
+        self.chunk_size = chunk_size
+
+    def chunks(self) -> Iterator[tuple[int, Tensor]]:
+        dtype = compute_dtype(self.logits)
+        for start in range(0, self.num_samples, self.chunk_size):
+            yield start, self.logits[start : start + self.chunk_size].to(dtype)
+
+
+class LinearLogits(LogitSource):
+    r"""Logits of a linear head computed on the fly: :math:`f(x) = W x + b`.
+
+    Args:
+        features: ``(N, d)`` features of the local shard.
+        weight: ``(K, d)``.
+        bias: ``(K,)`` or ``None``.
+        chunk_size: rows per chunk.
+    """
+
+    def __init__(
+        self,
+        features: Tensor,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        dtype = compute_dtype(features)
+        self.features = features
+        self.weight_t = weight.to(device=features.device, dtype=dtype).t().contiguous()
+        self.bias = None if bias is None else bias.to(device=features.device, dtype=dtype)
+        self.num_samples = features.shape[0]
+        self.num_classes = weight.shape[0]
+        self.chunk_size = chunk_size
+        self.dtype = dtype
+
+    def chunks(self) -> Iterator[tuple[int, Tensor]]:
+        for start in range(0, self.num_samples, self.chunk_size):
+            block = self.features[start : start + self.chunk_size].to(self.dtype)
+            if self.bias is None:
+                yield start, block @ self.weight_t
+            else:
+                yield start, torch.addmm(self.bias, block, self.weight_t)
+
+
+def as_source(logits: Tensor | LogitSource, name: str = "logits") -> LogitSource:
+    """Wrap a tensor as a :class:`TensorLogits`; pass a :class:`LogitSource` through."""
+    if isinstance(logits, LogitSource):
+        return logits
+    check_matrix(name, logits)
+    return TensorLogits(logits)
+
+
+def materialise(source: LogitSource) -> Tensor:
+    """Concatenate every chunk of ``source`` into one ``(N, K)`` tensor."""
+    parts = [chunk for _, chunk in source.chunks()]
+    if not parts:
+        return torch.empty(0, source.num_classes)
+    return torch.cat(parts)

@@ -1,0 +1,51 @@
+"""Run a function on shards in lockstep threads with a summing reduce function (test helper)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def run_sharded(fn: Callable[[Any, Callable], Any], shards: Sequence[Any]) -> list[Any]:
+    """Call ``fn(shard, reduce_fn)`` for every shard in its own thread.
+
+    ``reduce_fn`` sums a tensor over all shards (in shard order, so every shard sees the same
+    bits) like an all-reduce; a shard that calls it a different number of times deadlocks,
+    which the barrier timeout turns into an error.
+    """
+    n = len(shards)
+    barrier = threading.Barrier(n, timeout=60)
+    slots: list[torch.Tensor | None] = [None] * n
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def make_reduce(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            total = slots[0].clone()
+            for other in slots[1:]:
+                total += other
+            barrier.wait()
+            return total
+
+        return reduce_fn
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(shards[rank], make_reduce(rank))
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,254 @@
+"""Issue 2: the estimator against known ground truth and independent references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.covariance import oas as sklearn_oas
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+import frolic_tta
+from frolic_tta.calibration import confidence
+from frolic_tta.gda import oas_shrinkage
+from frolic_tta.synthetic import clip_world, paper_world, prior_shift_world
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(1) == labels).double().mean())
+
+
+def reference_eq7(features: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+    """Independent float64 Eq. 7 in numpy."""
+    x = features.double().numpy()
+    z = prototypes.double().numpy()
+    return torch.from_numpy(x.T @ x / len(x) - z.T @ z / len(z))
+
+
+def test_paper_covariance_recovers_sigma_at_root_n_rate():
+    errors = []
+    for n in (2000, 8000, 32000):
+        world = paper_world(num_samples=n, seed=1)
+        result = frolic_tta.frolic(world.features, world.prototypes, covariance="paper")
+        sigma = result.head.gaussian.shared_covariance
+        torch.testing.assert_close(sigma, reference_eq7(world.features, world.prototypes))
+        errors.append(float((sigma - world.covariance).norm() / world.covariance.norm()))
+    # quadrupling N halves the error (1/sqrt(N)), within sampling noise
+    for small, large in zip(errors, errors[1:], strict=False):
+        assert 0.3 < large / small < 0.75, errors
+    assert errors[-1] < 0.05
+
+
+def test_paper_gda_matches_supervised_lda():
+    world = paper_world(num_samples=6000, seed=2)
+    result = frolic_tta.frolic(world.features, world.prototypes, covariance="paper")
+    lda = LinearDiscriminantAnalysis(solver="lsqr").fit(
+        world.features.numpy(), world.labels.numpy()
+    )
+    lda_accuracy = float((lda.predict(world.features.numpy()) == world.labels.numpy()).mean())
+    assert abs(accuracy(result.gda_logits, world.labels) - lda_accuracy) <= 0.01
+
+
+def test_soft_covariance_is_consistent_in_paper_model():
+    world = paper_world(num_samples=32000, seed=3)
+    head = frolic_tta.frolic(world.features, world.prototypes).head.gaussian
+    error = float((head.shared_covariance - world.covariance).norm() / world.covariance.norm())
+    assert error < 0.06
+    # soft means use the zero-shot posterior, not the Bayes one: close to z_j, not equal
+    relative = (head.class_means - world.prototypes).norm(dim=1) / world.prototypes.norm(dim=1)
+    assert float(relative.max()) < 0.08
+
+
+def test_oas_matches_scikit_learn():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 12, generator=g, dtype=torch.float64) @ torch.randn(
+        12, 12, generator=g, dtype=torch.float64
+    )
+    x = x - x.mean(0)
+    shrunk, rho = sklearn_oas(x.numpy(), assume_centered=True)
+    ours = oas_shrinkage(x.t() @ x / len(x), len(x))
+    assert math.isclose(ours, rho, rel_tol=1e-10)
+    torch.testing.assert_close(
+        frolic_tta.gda.shrink(x.t() @ x / len(x), ours), torch.from_numpy(shrunk)
+    )
+
+
+@pytest.mark.parametrize("separation", [0.5, 0.7])
+def test_default_bias_recovers_prior_and_reaches_bayes(separation):
+    world = prior_shift_world(num_samples=20000, separation=separation, ratio=20.0, seed=0)
+    beta = frolic_tta.estimate_label_bias(world.logits)
+    assert float((beta - world.prior).abs().sum()) < 0.1
+    bayes = accuracy(world.bayes_logits, world.labels)
+    assert accuracy(world.logits - beta.log(), world.labels) >= bayes - 0.01
+    assert accuracy(world.logits, world.labels) < bayes - 0.04  # there was a bias to remove
+
+
+def test_literal_algorithm_2_drifts_and_oracle_does_not():
+    world = prior_shift_world(num_samples=20000, separation=0.5, seed=0)
+    literal = frolic_tta.estimate_label_bias(world.logits, method="paper")
+    oracle = frolic_tta.estimate_label_bias(world.logits, labels=world.labels)
+    assert float((literal - world.prior).abs().sum()) > 0.5
+    assert float((oracle - world.prior).abs().sum()) < 0.05
+
+
+def test_default_bias_does_not_hurt_without_bias():
+    world = prior_shift_world(num_samples=20000, separation=0.5, ratio=1.0, seed=4)
+    beta = frolic_tta.estimate_label_bias(world.logits)
+    assert float((beta - world.prior).abs().sum()) < 0.03
+    assert (
+        accuracy(world.logits - beta.log(), world.labels)
+        >= accuracy(world.logits, world.labels) - 0.002
+    )
+
+
+def test_bias_methods_and_empty_classes_stay_finite():
+    world = prior_shift_world(num_samples=3000, num_classes=6, separation=1.0, seed=5)
+    # class 5 gets no samples and (almost) no posterior mass anywhere
+    logits = world.logits[world.labels != 5].clone()
+    logits[:, 5] -= 1e4
+    for method in ("soft", "paper", "implicit", "none"):
+        beta = frolic_tta.estimate_label_bias(logits, method=method)
+        assert bool(torch.isfinite(beta.log()).all()) and math.isclose(float(beta.sum()), 1.0)
+        debiased = logits - beta.log()
+        assert bool(torch.isfinite(debiased).all())
+        assert float((debiased.argmax(1) == 5).double().mean()) == 0.0  # not absorbing
+    assert torch.equal(
+        frolic_tta.estimate_label_bias(logits, method="none"),
+        torch.full((6,), 1 / 6, dtype=torch.float64),
+    )
+
+
+def test_match_temperature_hits_target_confidence():
+    world = clip_world(num_samples=2000, seed=1)
+    result = frolic_tta.frolic(world.features, world.prototypes)
+    target = confidence(result.zero_shot_logits, 0.01)
+    assert abs(confidence(result.gda_logits, result.tau_g) - target) <= 1e-4
+    assert frolic_tta.match_temperature(
+        result.gda_logits, result.zero_shot_logits
+    ) == pytest.approx(result.tau_g)
+    temperatures = torch.logspace(-3, 2, 12).tolist()
+    confidences = [confidence(result.gda_logits, t) for t in temperatures]
+    # monotone (Eq. 10)
+    assert all(a >= b for a, b in zip(confidences, confidences[1:], strict=False))
+
+
+def test_clip_world_literal_breaks_and_default_beats_zero_shot():
+    world = clip_world(num_samples=4000, seed=0)
+    default = frolic_tta.frolic(world.features, world.prototypes)
+    zero_shot = accuracy(default.zero_shot_logits, world.labels)
+    for name in ("logits", "zero_shot_logits", "gda_logits", "fused_logits"):
+        assert bool(torch.isfinite(getattr(default, name)).all()), name
+    assert accuracy(default.logits, world.labels) > zero_shot + 0.15
+    sigma = default.head.gaussian.shared_covariance
+    assert bool(torch.linalg.eigvalsh(sigma).min() > 0)  # positive definite
+    literal = frolic_tta.frolic(world.features, world.prototypes, covariance="paper", bias="paper")
+    paper_sigma = literal.head.gaussian.shared_covariance
+    assert abs(float(torch.trace(paper_sigma))) < 1e-5  # trace 0 on unit-norm features
+    assert accuracy(literal.gda_logits, world.labels) < 1.0 / 20  # below chance
+
+
+def test_ablation_rows_and_linear_head():
+    world = clip_world(num_samples=1500, seed=2)
+    result = frolic_tta.frolic(world.features, world.prototypes)
+    rows = result.ablations(labels=world.labels)
+    assert set(rows) == {
+        "f_c",
+        "f_c - ln beta",
+        "f_g",
+        "f_c + f_g",
+        "f_f",
+        "f_d",
+        "tde",
+        "implicit",
+        "oracle",
+    }
+    torch.testing.assert_close(
+        rows["f_f"] - result.beta.log().float(), result.logits, rtol=1e-5, atol=1e-4
+    )
+    layer = result.head.to_linear()
+    torch.testing.assert_close(layer(world.features), result.logits, rtol=1e-5, atol=1e-3)
+    expected = result.gda_logits / result.tau_g + result.zero_shot_logits / 0.01
+    torch.testing.assert_close(result.fused_logits, expected, rtol=1e-5, atol=1e-3)
+
+
+def test_float32_and_float64_agree():
+    world = clip_world(num_samples=2000, seed=3)
+    single = frolic_tta.frolic(world.features.float(), world.prototypes.float())
+    double = frolic_tta.frolic(world.features.double(), world.prototypes.double())
+    assert single.tau_g == pytest.approx(double.tau_g, rel=1e-4)
+    torch.testing.assert_close(single.beta, double.beta, atol=1e-4, rtol=1e-3)
+    assert float((single.logits.argmax(1) != double.logits.argmax(1)).double().mean()) < 0.002
+    torch.testing.assert_close(single.logits.double(), double.logits, rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("features", "prototypes", "kwargs", "message"),
+    [
+        (torch.randn(5, 4), torch.randn(1, 4), {}, r"at least 2 classes \(K >= 2\), but got K=1"),
+        (torch.randn(1, 4), torch.randn(3, 4), {}, r"at least 2 samples \(N >= 2\), but got N=1"),
+        (
+            torch.randn(5, 3),
+            torch.randn(3, 4),
+            {},
+            r"`features` to have 4 columns \(dimension mismatch\)",
+        ),
+        (
+            torch.tensor([[float("nan")] * 4] * 5),
+            torch.randn(3, 4),
+            {},
+            "`features` to hold only finite",
+        ),
+        (
+            torch.randn(5, 4),
+            torch.full((3, 4), float("inf")),
+            {},
+            "`prototypes` to hold only finite",
+        ),
+        (
+            torch.cat([torch.zeros(1, 4), torch.randn(4, 4)]),
+            torch.randn(3, 4),
+            {"normalize": True},
+            "every row of `features` to have non-zero norm",
+        ),
+        (torch.randn(5, 4), torch.randn(3, 4), {"covariance": "lw"}, "`covariance` to be one of"),
+        (torch.randn(5, 4), torch.randn(3, 4), {"bias": "em"}, "`method` to be one of"),
+        (torch.randn(5), torch.randn(3, 4), {}, r"`features` to be 2-D, but got shape \(5,\)"),
+    ],
+)
+def test_bad_input_raises_value_error(features, prototypes, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        frolic_tta.frolic(features, prototypes, **kwargs)
+
+
+def test_bad_labels_and_tau():
+    logits = torch.randn(10, 3)
+    with pytest.raises(ValueError, match=r"`labels` of shape \(10,\)"):
+        frolic_tta.estimate_label_bias(logits, labels=torch.zeros(9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"`tau_c` > 0, but got 0"):
+        frolic_tta.match_temperature(logits, logits, tau_c=0)
+    with pytest.raises(ValueError, match="same number of classes"):
+        frolic_tta.match_temperature(logits, torch.randn(10, 4))
+
+
+def test_numpy_reference_of_head():
+    """The soft head against an independent float64 numpy implementation."""
+    world = clip_world(num_samples=800, seed=5)
+    x = world.features.double().numpy()
+    z = world.prototypes.double().numpy()
+    logits = x @ z.T / 0.01
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    n_j = p.sum(0)
+    means = (p.T @ x) / n_j[:, None]
+    scatter = sum(
+        p[:, j, None, None] * np.einsum("ni,nj->nij", x - means[j], x - means[j])
+        for j in range(len(z))
+    ).sum(0) / len(x)
+    rho = oas_shrinkage(torch.from_numpy(scatter), len(x))
+    shrunk = (1 - rho) * scatter + rho * np.trace(scatter) / x.shape[1] * np.eye(x.shape[1])
+    weight = np.linalg.solve(shrunk, means.T).T
+    head = frolic_tta.frolic(world.features.double(), world.prototypes.double()).head.gaussian
+    torch.testing.assert_close(head.shared_covariance, torch.from_numpy(shrunk))
+    torch.testing.assert_close(head.weight, torch.from_numpy(weight), rtol=1e-7, atol=1e-7)

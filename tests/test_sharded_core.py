@@ -1,0 +1,133 @@
+"""Issue 2: sharded (2 uneven shards) == whole, in threads and in a real 2-process gloo group."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import frolic_tta
+from frolic_tta.stats import FrolicMoments
+from frolic_tta.synthetic import clip_world, prior_shift_world
+from tests.sharding import run_sharded
+
+SPLIT = 1337  # uneven: 1337 vs 663 rows
+
+
+@pytest.fixture(scope="module")
+def world():
+    return clip_world(num_samples=2000, seed=7)
+
+
+def test_metric_shards_merge_to_whole(world):
+    whole = FrolicMoments(world.prototypes)
+    whole.update(world.features)
+    first, second = FrolicMoments(world.prototypes), FrolicMoments(world.prototypes)
+    for start in range(0, SPLIT, 100):  # several batches
+        first.update(world.features[start : min(start + 100, SPLIT)])
+    second.update(world.features[SPLIT:])
+    first.merge_state(second)
+    expected, merged = whole.compute(), first.compute()
+    for name in ("count", "feature_sum", "outer_sum", "soft_count", "soft_sum"):
+        torch.testing.assert_close(
+            getattr(merged, name), getattr(expected, name), rtol=1e-12, atol=1e-9
+        )
+        assert getattr(merged, name).dtype == torch.float64
+    functional = frolic_tta.moment_sums(world.features, world.prototypes, 0.01)
+    torch.testing.assert_close(functional.outer_sum, expected.outer_sum)
+
+
+@pytest.mark.parametrize(
+    ("covariance", "bias"), [("soft", "soft"), ("paper", "paper"), ("soft", "implicit")]
+)
+def test_threads_sharded_equals_whole(world, covariance, bias):
+    whole = frolic_tta.frolic(world.features, world.prototypes, covariance=covariance, bias=bias)
+    shards = [world.features[:SPLIT], world.features[SPLIT:]]
+
+    def run(features, reduce_fn):
+        return frolic_tta.frolic(
+            features, world.prototypes, covariance=covariance, bias=bias, reduce_fn=reduce_fn
+        )
+
+    results = run_sharded(run, shards)
+    for result in results:
+        assert result.tau_g == pytest.approx(whole.tau_g, rel=1e-6, abs=1e-9)
+        torch.testing.assert_close(result.beta, whole.beta, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            result.head.gaussian.weight, whole.head.gaussian.weight, rtol=1e-9, atol=1e-9
+        )
+    torch.testing.assert_close(
+        torch.cat([r.logits for r in results]), whole.logits, rtol=1e-5, atol=1e-4
+    )
+
+
+def test_threads_sharded_label_bias_with_oracle():
+    world = prior_shift_world(num_samples=3001, separation=0.5)
+    cut = 1900
+    for kwargs in ({"method": "soft"}, {"method": "paper"}):
+        whole = frolic_tta.estimate_label_bias(world.logits, **kwargs)
+        parts = run_sharded(
+            lambda shard, reduce_fn, kw=kwargs: frolic_tta.estimate_label_bias(
+                shard, reduce_fn=reduce_fn, **kw
+            ),
+            [world.logits[:cut], world.logits[cut:]],
+        )
+        for part in parts:
+            torch.testing.assert_close(part, whole, rtol=0, atol=1e-6)
+    whole = frolic_tta.estimate_label_bias(world.logits, labels=world.labels)
+    parts = run_sharded(
+        lambda shard, reduce_fn: frolic_tta.estimate_label_bias(
+            shard[0], labels=shard[1], reduce_fn=reduce_fn
+        ),
+        [(world.logits[:cut], world.labels[:cut]), (world.logits[cut:], world.labels[cut:])],
+    )
+    torch.testing.assert_close(parts[0], whole, rtol=0, atol=1e-6)
+
+
+def _gloo_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    torch.set_num_threads(1)
+    data = clip_world(num_samples=2000, seed=7)
+    features = data.features[:SPLIT] if rank == 0 else data.features[SPLIT:]
+
+    def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    metric = FrolicMoments(data.prototypes)
+    metric.update(features)
+    sums = metric.compute()  # torchmetrics syncs its "sum" states over the group
+    result = frolic_tta.fit_frolic(features, data.prototypes, sums=sums, reduce_fn=reduce_fn)
+    torch.save(
+        {
+            "tau_g": result.head.tau_g,
+            "beta": result.head.beta,
+            "count": sums.count,
+            "outer": sums.outer_sum,
+            "logits": result.logits,
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+def test_two_process_gloo_group_equals_whole(world):
+    whole = frolic_tta.fit_frolic(world.features, world.prototypes)
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "init")
+        mp.spawn(_gloo_worker, args=(2, init_file, out_dir), nprocs=2, join=True)
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+    for rank in ranks:
+        assert float(rank["count"]) == 2000.0
+        torch.testing.assert_close(rank["outer"], whole.sums.outer_sum, rtol=1e-12, atol=1e-9)
+        assert rank["tau_g"] == pytest.approx(whole.head.tau_g, rel=1e-6)
+        torch.testing.assert_close(rank["beta"], whole.head.beta, rtol=0, atol=1e-6)
+    logits = torch.cat([ranks[0]["logits"], ranks[1]["logits"]])
+    torch.testing.assert_close(logits, whole.logits, rtol=1e-5, atol=1e-4)
