@@ -1,0 +1,44 @@
+"""Datasets, dataset wrappers and Lightning datamodules for Frolic test-time adaptation."""
+
+from frolic_tta.data.datamodules import FrolicDataModule, ImageFolderDataModule
+from frolic_tta.data.datasets import (
+    DATASET_TEMPLATES,
+    DATASETS,
+    DatasetSpec,
+    ImageNetV2Folder,
+    WnidImageFolder,
+    build_dataset,
+    build_split_file_dataset,
+    canonical_dataset_name,
+    clean_class_name,
+    imagenet_class_names,
+    imagenet_wnids,
+)
+from frolic_tta.data.indexed import (
+    DatasetNotFoundError,
+    IndexedDataset,
+    SplitFileDataset,
+    UnlabeledImageFolder,
+    dataset_paths,
+)
+
+__all__ = [
+    "DATASETS",
+    "DATASET_TEMPLATES",
+    "DatasetNotFoundError",
+    "DatasetSpec",
+    "FrolicDataModule",
+    "ImageFolderDataModule",
+    "ImageNetV2Folder",
+    "IndexedDataset",
+    "SplitFileDataset",
+    "UnlabeledImageFolder",
+    "WnidImageFolder",
+    "build_dataset",
+    "build_split_file_dataset",
+    "canonical_dataset_name",
+    "clean_class_name",
+    "dataset_paths",
+    "imagenet_class_names",
+    "imagenet_wnids",
+]

@@ -1,0 +1,222 @@
+"""Lightning datamodules that feed the Frolic module ``{"image", "index"[, "label"]}`` batches.
+
+Class names are computed in ``__init__`` (so the CLI can link ``data.class_names`` to
+``model.class_names``); the image transform is resolved in :meth:`setup`: the ``preprocess``
+argument if given, else the attached LightningModule's ``.preprocess`` (open_clip's eval
+transform on ``FrolicModule``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.datasets import ImageFolder
+
+from frolic_tta.data.datasets import (
+    build_dataset,
+    build_split_file_dataset,
+    canonical_dataset_name,
+    clean_class_name,
+)
+from frolic_tta.data.indexed import (
+    DatasetNotFoundError,
+    IndexedDataset,
+    UnlabeledImageFolder,
+    dataset_paths,
+)
+
+__all__ = ["FrolicDataModule", "ImageFolderDataModule"]
+
+
+class _IndexedDataModule(L.LightningDataModule):
+    """Shared loader logic: limit, transform resolution, predict/test loaders."""
+
+    def __init__(
+        self,
+        source: Dataset,
+        class_names: list[str] | None,
+        labeled: bool,
+        batch_size: int,
+        num_workers: int,
+        limit: int | None,
+        preprocess: Callable[[Any], Any] | None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be a positive integer or None, got {limit}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.preprocess = preprocess
+        self.source = self._apply_limit(source, limit)
+        self.class_names: list[str] | None = list(class_names) if class_names is not None else None
+        #: Whether batches carry a ``"label"`` entry.
+        self.labeled = labeled
+        self.dataset: IndexedDataset | None = None
+
+    @staticmethod
+    def _apply_limit(source: Dataset, limit: int | None) -> Dataset:
+        """Keep a seeded random subset of ``limit`` samples, in their original order."""
+        n = len(source)  # type: ignore[arg-type]
+        if limit is None or limit >= n:
+            return source
+        generator = torch.Generator().manual_seed(0)
+        keep = torch.randperm(n, generator=generator)[:limit].sort().values
+        return Subset(source, keep.tolist())
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes, when the class names are known."""
+        return None if self.class_names is None else len(self.class_names)
+
+    @property
+    def paths(self) -> list[str] | None:
+        """File path of each ``batch["index"]``, when known."""
+        return dataset_paths(self.source)
+
+    def _resolve_transform(self) -> Callable[[Any], Any]:
+        if self.preprocess is not None:
+            return self.preprocess
+        trainer = getattr(self, "trainer", None)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        transform = getattr(module, "preprocess", None)
+        if transform is None:
+            raise ValueError(
+                "no image transform: expected `preprocess=` on the datamodule or a Trainer whose "
+                "LightningModule has a `.preprocess` transform; got neither"
+            )
+        return transform
+
+    def setup(self, stage: str | None = None) -> None:
+        """Wrap the source dataset with the resolved image transform."""
+        self.dataset = IndexedDataset(self.source, self._resolve_transform())
+
+    def predict_dataloader(self) -> DataLoader:
+        """Deterministic (unshuffled) loader over the whole source."""
+        if self.dataset is None:
+            self.setup("predict")
+        return DataLoader(
+            self.dataset,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
+
+    def test_dataloader(self) -> DataLoader:
+        """Same loader as :meth:`predict_dataloader`."""
+        return self.predict_dataloader()
+
+
+def _folder_source(
+    root: str, labeled: bool, class_names: list[str] | None
+) -> tuple[Dataset, list[str] | None]:
+    if not labeled:
+        return UnlabeledImageFolder(root), class_names
+    try:
+        source = ImageFolder(root)
+    except FileNotFoundError as exc:
+        raise DatasetNotFoundError(
+            f"image folder '{root}': {exc} Point --data.root at a folder with one sub-folder per "
+            f"class, or use labeled=False / dataset='unlabeled' for a flat folder."
+        ) from None
+    names = [clean_class_name(c) for c in source.classes]
+    if class_names is not None:
+        if len(class_names) != len(names):
+            raise ValueError(
+                f"class_names has {len(class_names)} entries but '{root}' has {len(names)} "
+                f"class folders ({source.classes[:5]}...)"
+            )
+        names = list(class_names)
+    return source, names
+
+
+class FrolicDataModule(_IndexedDataModule):
+    """One of the paper's datasets (or a user folder) for test-time adaptation.
+
+    Args:
+        dataset: Dataset key or alias (``"dtd"``, ``"imagenet_a"``, ...; see
+            ``frolic_tta.data.DATASETS``), ``"folder"`` (a labelled ImageFolder at ``root``) or
+            ``"unlabeled"`` (every image under ``root``, no labels).
+        root: Folder holding the datasets (or the folder itself for ``folder``/``unlabeled``).
+        split: Dataset split (``"test"`` by default; ImageNet's ``"val"``).
+        download: Let torchvision download missing data where it can.
+        split_file: CoOp-style split JSON; when given, its ``split`` entries are used.
+        image_dir: Folder the split file's paths are relative to (default: the file's folder).
+        batch_size: Images per batch.
+        num_workers: DataLoader worker processes.
+        limit: Keep only this many samples (a seeded random subset, in order).
+        preprocess: Image transform; default: the LightningModule's ``.preprocess``.
+        class_names: Override (or, for ``unlabeled``, supply) the class names.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        root: str = "data",
+        split: str = "test",
+        download: bool = False,
+        split_file: str | None = None,
+        image_dir: str | None = None,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        limit: int | None = None,
+        preprocess: Callable[[Any], Any] | None = None,
+        class_names: list[str] | None = None,
+    ) -> None:
+        key = str(dataset).strip().lower()
+        if key in ("folder", "unlabeled"):
+            source, names = _folder_source(root, key == "folder", class_names)
+        else:
+            key = canonical_dataset_name(dataset)  # type: ignore[assignment]
+            if split_file is not None:
+                source, names = build_split_file_dataset(split_file, image_dir, split)
+            else:
+                source, names = build_dataset(key, root, split=split, download=download)
+            if class_names is not None:
+                if len(class_names) != len(names):
+                    raise ValueError(
+                        f"class_names has {len(class_names)} entries, expected {len(names)} "
+                        f"for dataset {key!r}"
+                    )
+                names = list(class_names)
+        labeled = key != "unlabeled"
+        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
+        self.dataset_name = key
+
+
+class ImageFolderDataModule(_IndexedDataModule):
+    """A user's image folder: one sub-folder per class (``labeled=True``) or any layout.
+
+    Args:
+        root: The folder.
+        labeled: ``True``: ``torchvision.datasets.ImageFolder`` (labels and class names from
+            the sub-folders); ``False``: every image under ``root``, without labels.
+        batch_size: Images per batch.
+        num_workers: DataLoader worker processes.
+        limit: Keep only this many samples (a seeded random subset, in order).
+        preprocess: Image transform; default: the LightningModule's ``.preprocess``.
+        class_names: Override (or, when unlabelled, supply) the class names.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        labeled: bool = True,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        limit: int | None = None,
+        preprocess: Callable[[Any], Any] | None = None,
+        class_names: list[str] | None = None,
+    ) -> None:
+        source, names = _folder_source(root, labeled, class_names)
+        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
+        self.dataset_name = "folder" if labeled else "unlabeled"

@@ -1,0 +1,253 @@
+"""Class prompts and CLIP text prototypes (prompt ensembling).
+
+Templates are ``str.format``-style strings with one ``"{}"`` for the class name. Descriptions are
+CuPL-style JSON files mapping a class name to sentences that describe it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
+
+from frolic_tta.data.datasets import DATASET_TEMPLATES, canonical_dataset_name
+
+__all__ = [
+    "build_class_prompts",
+    "encode_prototypes",
+    "load_descriptions",
+    "resolve_templates",
+]
+
+Templates = str | Sequence[str | Callable[[str], str]]
+
+
+def _as_format_string(template: str | Callable[[str], str]) -> str:
+    """Return the template as a "{}"-format string (open_clip's are ``lambda c: f"..."``)."""
+    text = template("{}") if callable(template) else template
+    if not isinstance(text, str) or "{}" not in text:
+        raise ValueError(
+            f"each template must be a string containing '{{}}' for the class name, got {text!r}"
+        )
+    return text
+
+
+def resolve_templates(templates: Templates) -> list[str]:
+    """Resolve a template specification into a list of "{}"-format strings.
+
+    Args:
+        templates: ``"openai"`` (open_clip's 80 ImageNet templates), ``"simple"`` (its 7 simple
+            ones), a dataset key such as ``"dtd"`` (CLIP's templates for that dataset, see
+            ``frolic_tta.data.DATASET_TEMPLATES``), a single string containing ``"{}"``, or a
+            sequence of such strings (or of open_clip-style callables).
+
+    Returns:
+        A new list of template strings.
+
+    Raises:
+        ValueError: Anything else, or a template without ``"{}"``.
+    """
+    if isinstance(templates, str):
+        key = templates.strip().lower()
+        if key == "openai":
+            return [_as_format_string(t) for t in OPENAI_IMAGENET_TEMPLATES]
+        if key == "simple":
+            return [_as_format_string(t) for t in SIMPLE_IMAGENET_TEMPLATES]
+        dataset = canonical_dataset_name(key, strict=False)
+        if dataset is not None and dataset in DATASET_TEMPLATES:
+            return list(DATASET_TEMPLATES[dataset])
+        if "{}" in templates:
+            return [templates]
+        raise ValueError(
+            f"templates must be 'openai', 'simple', a dataset key ({sorted(DATASET_TEMPLATES)}) "
+            f"or a list of strings containing '{{}}'; got {templates!r}"
+        )
+    if not isinstance(templates, Sequence) or len(templates) == 0:
+        raise ValueError(
+            f"templates must be a name or a non-empty list of strings containing '{{}}'; "
+            f"got {templates!r}"
+        )
+    return [_as_format_string(t) for t in templates]
+
+
+def _normalise_name(name: str) -> str:
+    return re.sub(r"[\s_]+", " ", name.strip().lower())
+
+
+def load_descriptions(path: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """Load CuPL-style class descriptions: a JSON object ``{class name: [sentence, ...]}``.
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: Not a JSON object of non-empty lists of non-empty strings.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"descriptions file not found: '{file}'")
+    with file.open(encoding="utf-8") as f:
+        try:
+            content = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"descriptions file '{file}' is not valid JSON: {exc}") from None
+    if not isinstance(content, dict) or not content:
+        raise ValueError(
+            f"descriptions file '{file}' must hold a non-empty JSON object "
+            f"{{class name: [sentences]}}, got {type(content).__name__}"
+        )
+    for name, sentences in content.items():
+        if (
+            not isinstance(sentences, list)
+            or not sentences
+            or not all(isinstance(s, str) and s.strip() for s in sentences)
+        ):
+            raise ValueError(
+                f"descriptions file '{file}', class {name!r}: expected a non-empty list of "
+                f"non-empty strings, got {sentences!r:.80}"
+            )
+    return {str(k): list(v) for k, v in content.items()}
+
+
+def _lookup(descriptions: Mapping[str, Sequence[str]], name: str) -> list[str] | None:
+    """Exact key first, then a case/underscore-insensitive match (if unambiguous)."""
+    if name in descriptions:
+        return list(descriptions[name])
+    target = _normalise_name(name)
+    hits = [k for k in descriptions if _normalise_name(k) == target]
+    return list(descriptions[hits[0]]) if len(hits) == 1 else None
+
+
+def build_class_prompts(
+    class_names: Sequence[str],
+    templates: Templates | None = None,
+    descriptions: Mapping[str, Sequence[str]] | str | os.PathLike[str] | None = None,
+) -> list[list[str]]:
+    """Build the prompts of each class, by class index.
+
+    Duplicate class names are kept as separate classes (``K == len(class_names)``) and reported
+    with a ``UserWarning``. With ``descriptions``, a class gets its sentences, followed by its
+    template prompts when ``templates`` is also given; a class missing from the descriptions
+    falls back to the templates.
+
+    Args:
+        class_names: The ``K`` class names.
+        templates: Anything :func:`resolve_templates` accepts.
+        descriptions: A mapping ``{class name: [sentences]}`` or a path to a CuPL JSON file.
+
+    Returns:
+        ``K`` non-empty lists of prompts.
+
+    Raises:
+        ValueError: No class names, an empty name, or a class with neither descriptions nor
+            templates.
+    """
+    if isinstance(class_names, str) or len(class_names) == 0:
+        raise ValueError(f"class_names must be a non-empty list of strings, got {class_names!r}")
+    names = [str(c) for c in class_names]
+    empty = [i for i, c in enumerate(names) if not c.strip()]
+    if empty:
+        raise ValueError(f"class names must be non-empty strings; empty at indices {empty[:10]}")
+    duplicates = sorted(c for c, n in Counter(names).items() if n > 1)
+    if duplicates:
+        warnings.warn(
+            f"duplicate class names {duplicates} are kept as separate classes "
+            f"(K={len(names)}); their prototypes will be identical",
+            UserWarning,
+            stacklevel=2,
+        )
+    if templates is None and descriptions is None:
+        raise ValueError("build_class_prompts needs templates or descriptions; got neither")
+    resolved = resolve_templates(templates) if templates is not None else []
+    if isinstance(descriptions, str | os.PathLike):
+        descriptions = load_descriptions(descriptions)
+    prompts: list[list[str]] = []
+    missing: list[str] = []
+    for name in names:
+        described = _lookup(descriptions, name) if descriptions is not None else None
+        from_templates = [t.replace("{}", name) for t in resolved]
+        class_prompts = (described or []) + from_templates
+        if not class_prompts:
+            missing.append(name)
+        prompts.append(class_prompts)
+    if missing:
+        raise ValueError(
+            f"no descriptions and no templates for {len(missing)} class(es), e.g. {missing[:5]}; "
+            f"expected every class in the descriptions or templates to fall back to"
+        )
+    return prompts
+
+
+@torch.no_grad()
+def encode_prototypes(
+    model: Any,
+    tokenizer: Callable[[list[str]], torch.Tensor],
+    class_prompts: Sequence[Sequence[str]],
+    *,
+    batch_size: int = 256,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Encode class prompts into CLIP text prototypes (CLIP's prompt ensembling).
+
+    Each prompt embedding is L2-normalised, the embeddings of a class are averaged, and the mean
+    is L2-normalised again.
+
+    Args:
+        model: An open_clip model (anything with ``encode_text(tokens)``).
+        tokenizer: ``open_clip.get_tokenizer(...)``: a list of strings -> token tensor.
+        class_prompts: ``K`` non-empty lists of prompts (see :func:`build_class_prompts`).
+        batch_size: Prompts encoded per forward pass.
+        device: Where to run and return; default: the model's device.
+
+    Returns:
+        ``(K, d)`` float32 unit-norm prototypes on ``device``.
+
+    Raises:
+        ValueError: No classes, a class without prompts, or ``batch_size < 1``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+    if len(class_prompts) == 0:
+        raise ValueError("class_prompts must hold at least one class, got none")
+    counts = [len(p) for p in class_prompts]
+    empty = [i for i, n in enumerate(counts) if n == 0]
+    if empty:
+        raise ValueError(f"every class needs at least one prompt; classes {empty[:10]} have none")
+    if device is None:
+        param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+        device = param.device if param is not None else torch.device("cpu")
+    device = torch.device(device)
+    flat = [str(p) for prompts in class_prompts for p in prompts]
+
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        pending: list[torch.Tensor] = []
+        available = 0
+        prototypes: list[torch.Tensor] = []
+        next_class = 0
+        for start in range(0, len(flat), batch_size):
+            tokens = tokenizer(flat[start : start + batch_size]).to(device)
+            embeddings = F.normalize(model.encode_text(tokens).float(), dim=-1)
+            pending.append(embeddings)
+            available += embeddings.shape[0]
+            if next_class < len(counts) and counts[next_class] <= available:
+                buffer = torch.cat(pending)
+                offset = 0
+                while next_class < len(counts) and offset + counts[next_class] <= available:
+                    end = offset + counts[next_class]
+                    prototypes.append(buffer[offset:end].mean(dim=0))
+                    offset, next_class = end, next_class + 1
+                pending, available = [buffer[offset:]], available - offset
+    finally:
+        if was_training and hasattr(model, "train"):
+            model.train()
+    return F.normalize(torch.stack(prototypes), dim=-1).to(device=device, dtype=torch.float32)
