@@ -94,8 +94,10 @@ def match_temperature(
         reduce_fn: sums a tensor over shards (identity by default).
 
     Returns:
-        :math:`\tau_g > 0`. If the target cannot be reached within ``max_iter`` (for example
-        all :math:`f_g` rows are constant) a ``UserWarning`` is emitted and the best
+        :math:`\tau_g > 0`: once within ``tol`` one more Newton step is taken (so the result is
+        the root to float precision, not just any point within ``tol``). If the target
+        cannot be reached within ``max_iter`` (for example when all :math:`f_g` rows are
+        constant) a ``UserWarning`` is emitted and the best
         temperature found is returned.
     """
     if not tau_c > 0:
@@ -126,18 +128,23 @@ def match_temperature(
         u = math.log(tau_c)
     lo, hi = -math.inf, math.inf  # bracket on u: conf(lo) >= target >= conf(hi)
     best_u, best_err = u, math.inf
+    polished = False
     for _ in range(max_iter):
         sums = reduce_fn(_confidence_sums(gda, math.exp(u)))
         conf, slope = float(sums[1] / sums[0]), float(sums[2] / sums[0])
         err = conf - target
         if abs(err) < best_err:
             best_u, best_err = u, abs(err)
-        if abs(err) <= tol:
+        if polished:
             return math.exp(u)
         if err > 0:
             lo = max(lo, u)  # too confident: temperature must grow
         else:
             hi = min(hi, u)
+        if abs(err) <= tol:
+            # one more Newton step: quadratic convergence puts tau_g at the root to float
+            # precision, so shards whose float32 logits differ in the last bit agree on tau_g
+            polished = True
         step = -err / slope if slope < 0 else math.copysign(2.0, err)
         step = max(-3.0, min(3.0, step))
         candidate = u + step
@@ -148,6 +155,8 @@ def match_temperature(
                 else (u + math.copysign(3.0, err))
             )
         if candidate == u:
+            if polished:
+                return math.exp(u)
             break
         u = candidate
     warnings.warn(

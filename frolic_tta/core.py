@@ -33,6 +33,7 @@ from frolic_tta.streams import (
     check_matrix,
     compute_dtype,
     identity_reduce,
+    materialise,
 )
 
 
@@ -78,13 +79,24 @@ class FrolicHead:
     tau_g: float
     beta: Tensor
 
-    def linear(self, *, debias: bool = True) -> tuple[Tensor, Tensor]:
-        """``(A (K, d), c (K,))`` with :math:`f_d(x) = A x + c` (:math:`f_f` if not ``debias``)."""
-        weight = self.gaussian.weight / self.tau_g + self.prototypes.to(torch.float64) / self.tau_c
-        bias = self.gaussian.bias / self.tau_g
+    def centred_linear(self, *, debias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """``(A (K, d), c (K,), mu (d,))`` with :math:`f_d(x) = A (x - \\mu) + c`.
+
+        The numerically preferred form (see :mod:`frolic_tta.gda`); :math:`f_f` if not
+        ``debias``.
+        """
+        g = self.gaussian
+        z = self.prototypes.to(torch.float64)
+        weight = g.weight / self.tau_g + z / self.tau_c
+        bias = g.bias / self.tau_g + (z @ g.center) / self.tau_c
         if debias:
             bias = bias - torch.log(self.beta)
-        return weight, bias
+        return weight, bias, g.center
+
+    def linear(self, *, debias: bool = True) -> tuple[Tensor, Tensor]:
+        """``(A (K, d), c (K,))`` with :math:`f_d(x) = A x + c` (:math:`f_f` if not ``debias``)."""
+        weight, bias, center = self.centred_linear(debias=debias)
+        return weight, bias - weight @ center
 
     def to_linear(self) -> torch.nn.Linear:
         """A ``torch.nn.Linear(d, K)`` computing :math:`f_d` (float32)."""
@@ -94,6 +106,43 @@ class FrolicHead:
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
         return layer.requires_grad_(False)
+
+    def state_dict(self) -> dict[str, Tensor | float]:
+        """Everything needed to rebuild the head, as plain tensors and floats (float64)."""
+        g = self.gaussian
+        return {
+            "prototypes": self.prototypes,
+            "weight": g.weight,
+            "bias": g.bias,
+            "center": g.center,
+            "class_means": g.class_means,
+            "shared_covariance": g.shared_covariance,
+            "shrinkage": g.shrinkage,
+            "class_weights": g.class_weights,
+            "tau_c": self.tau_c,
+            "tau_g": self.tau_g,
+            "beta": self.beta,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor | float]) -> FrolicHead:
+        """Inverse of :meth:`state_dict`."""
+        gaussian = GaussianHead(
+            weight=state["weight"],
+            bias=state["bias"],
+            center=state["center"],
+            class_means=state["class_means"],
+            shared_covariance=state["shared_covariance"],
+            shrinkage=float(state["shrinkage"]),
+            class_weights=state["class_weights"],
+        )
+        return cls(
+            prototypes=state["prototypes"],
+            gaussian=gaussian,
+            tau_c=float(state["tau_c"]),
+            tau_g=float(state["tau_g"]),
+            beta=state["beta"],
+        )
 
     def score(self, features: Tensor) -> Tensor:
         """:math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation)."""
@@ -153,7 +202,7 @@ def fit_frolic(
     gaussian = fit_gaussian_head(sums, prototypes, covariance, shrinkage)
     z = prototypes.to(torch.float64)
     zero_shot = LinearLogits(features, z, None, chunk_size)
-    gda = LinearLogits(features, gaussian.weight, gaussian.bias, chunk_size)
+    gda = LinearLogits(features, gaussian.weight, gaussian.bias, chunk_size, gaussian.center)
     buffer = None
     if keep_logits:
         buffer = torch.empty(
@@ -169,8 +218,9 @@ def fit_frolic(
             rows.div_(tau_g).add_(chunk, alpha=1.0 / tau_c)
         fused = TensorLogits(buffer, chunk_size)
     else:
-        weight = gaussian.weight / tau_g + z / tau_c
-        fused = LinearLogits(features, weight, gaussian.bias / tau_g, chunk_size)
+        head = FrolicHead(z, gaussian, tau_c, tau_g, torch.ones(z.shape[0], dtype=torch.float64))
+        weight, bias, center = head.centred_linear(debias=False)
+        fused = LinearLogits(features, weight, bias, chunk_size, center)
     beta = estimate_label_bias(fused, eps=eps, method=bias, reduce_fn=reduce_fn)
     if buffer is not None:
         buffer.sub_(torch.log(beta).to(buffer))
@@ -185,7 +235,7 @@ class FrolicResult:
     Attributes:
         logits: final :math:`f_d` (Eq. 13).
         zero_shot_logits: :math:`f_c = x^\\top z` (Eq. 2, unscaled).
-        gda_logits: :math:`f_g` (Eq. 9).
+        gda_logits: :math:`f_g` (Eq. 9, up to a per-sample constant; see :mod:`frolic_tta.gda`).
         fused_logits: :math:`f_f` (Eq. 12).
         tau_g: Eq. 11.
         beta: ``(K,)`` positive, sums to 1.
@@ -302,7 +352,9 @@ def frolic(
     dtype = compute_dtype(features)
     x = features.to(dtype)
     zero_shot = x @ head.prototypes.to(dtype).t()
-    gda = torch.addmm(head.gaussian.bias.to(dtype), x, head.gaussian.weight.to(dtype).t())
+    gda = materialise(
+        LinearLogits(x, head.gaussian.weight, head.gaussian.bias, center=head.gaussian.center)
+    )
     fused = fit.logits + torch.log(head.beta).to(dtype)
     return FrolicResult(
         logits=fit.logits,

@@ -26,7 +26,14 @@ Two covariance estimators:
   :math:`\hat\Sigma \to \Sigma`, i.e. it reduces to Eq. 7.
 
 The head (Eq. 9): :math:`w_j = \hat\Sigma^{-1}\mu_j`, :math:`b_j = -\frac12\mu_j^\top w_j`,
-solved by Cholesky (``"soft"``) or LU (``"paper"``, indefinite), never by ``inverse``.
+solved by Cholesky (``"soft"``) or LU (``"paper"``, indefinite), never by ``inverse``. It is
+evaluated in *centred* form, :math:`f_g(x)_j = \tilde w_j^\top(x - \hat\mu) + \tilde b_j` with
+:math:`\tilde w_j = \hat\Sigma^{-1}(\mu_j - \hat\mu)`, :math:`\tilde b_j = -\frac12(\mu_j -
+\hat\mu)^\top\tilde w_j`, which differs from Eq. 9 by
+:math:`\hat\mu^\top\hat\Sigma^{-1}x - \frac12\hat\mu^\top\hat\Sigma^{-1}\hat\mu`, a constant per
+sample: softmax, argmax, confidence, :math:`\tau_g` and :math:`\beta` are unchanged, but the
+large common offset (and its float32 cancellation) is gone.
+:meth:`GaussianHead.paper_parameters` returns Eq. 9's literal :math:`(w, b)`.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -132,8 +139,9 @@ class GaussianHead:
     """A fitted label-free GDA head, float64.
 
     Attributes:
-        weight: ``(K, d)`` rows :math:`w_j` (Eq. 9).
-        bias: ``(K,)`` :math:`b_j`.
+        weight: ``(K, d)`` centred rows :math:`\tilde w_j = \\hat\\Sigma^{-1}(\\mu_j - \\hat\\mu)`.
+        bias: ``(K,)`` :math:`\tilde b_j = -\frac12(\\mu_j - \\hat\\mu)^\top\tilde w_j`.
+        center: ``(d,)`` :math:`\\hat\\mu`, subtracted from x before ``weight``.
         class_means: ``(K, d)`` means :math:`\\mu_j` the head was built from.
         shared_covariance: ``(d, d)`` :math:`\\hat\\Sigma` (after shrinkage).
         shrinkage: OAS intensity used (0 for ``"paper"``).
@@ -142,10 +150,20 @@ class GaussianHead:
 
     weight: Tensor
     bias: Tensor
+    center: Tensor
     class_means: Tensor
     shared_covariance: Tensor
     shrinkage: float
     class_weights: Tensor
+
+    def paper_parameters(self) -> tuple[Tensor, Tensor]:
+        """Eq. 9 literally: ``(w (K, d), b (K,))`` with :math:`w_j = \\hat\\Sigma^{-1}\\mu_j`."""
+        weight = torch.linalg.solve(self.shared_covariance, self.class_means.t()).t()
+        return weight, -0.5 * (self.class_means * weight).sum(1)
+
+    def linear(self) -> tuple[Tensor, Tensor]:
+        """``(W (K, d), b (K,))`` with :math:`f_g(x) = W x + b` (centring folded into ``b``)."""
+        return self.weight, self.bias - self.weight @ self.center
 
 
 def shared_covariance(
@@ -212,6 +230,8 @@ def fit_gaussian_head(
             (``"soft"`` without shrinkage and with fewer samples than dimensions).
     """
     sigma, means, weights, rho = shared_covariance(sums, prototypes, covariance, shrinkage)
+    center = sums.feature_sum / sums.count
+    centred = (means - center[None, :]).t()
     if covariance == "soft":
         factor, info = torch.linalg.cholesky_ex(sigma)
         if int(info) != 0:
@@ -219,14 +239,14 @@ def fit_gaussian_head(
                 "Expected the soft within-class covariance to be positive definite, but its "
                 f"Cholesky factorisation failed at column {int(info)}; use shrinkage='oas'"
             )
-        weight = torch.cholesky_solve(means.t(), factor).t()
+        weight = torch.cholesky_solve(centred, factor).t()
     else:
-        solved, info = torch.linalg.solve_ex(sigma, means.t())
+        solved, info = torch.linalg.solve_ex(sigma, centred)
         if int(info) != 0:
             raise ValueError(
                 "Expected the Eq. 7 covariance to be invertible, but it is singular "
                 f"(LU pivot {int(info)} is zero)"
             )
         weight = solved.t()
-    bias = -0.5 * (means * weight).sum(1)
-    return GaussianHead(weight, bias, means, sigma, rho, weights)
+    bias = -0.5 * (centred.t() * weight).sum(1)
+    return GaussianHead(weight, bias, center, means, sigma, rho, weights)

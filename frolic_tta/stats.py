@@ -55,7 +55,9 @@ class FrolicMoments(Metric):
             )
         k, d = prototypes.shape
         self.tau_c = tau_c
-        self.register_buffer("prototypes", prototypes.detach().to(torch.float64).clone())
+        self.register_buffer(
+            "prototypes", prototypes.detach().to(torch.float64).clone(), persistent=False
+        )
         f64 = torch.float64
         self.add_state("count", torch.zeros((), dtype=f64), dist_reduce_fx="sum")
         self.add_state("feature_sum", torch.zeros(d, dtype=f64), dist_reduce_fx="sum")

@@ -86,13 +86,14 @@ class TensorLogits(LogitSource):
 
 
 class LinearLogits(LogitSource):
-    r"""Logits of a linear head computed on the fly: :math:`f(x) = W x + b`.
+    r"""Logits of a linear head computed on the fly: :math:`f(x) = W (x - c) + b`.
 
     Args:
         features: ``(N, d)`` features of the local shard.
         weight: ``(K, d)``.
         bias: ``(K,)`` or ``None``.
         chunk_size: rows per chunk.
+        center: ``(d,)`` subtracted from every row first, or ``None``.
     """
 
     def __init__(
@@ -101,8 +102,10 @@ class LinearLogits(LogitSource):
         weight: Tensor,
         bias: Tensor | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        center: Tensor | None = None,
     ) -> None:
         dtype = compute_dtype(features)
+        self.center = None if center is None else center.to(device=features.device, dtype=dtype)
         self.features = features
         self.weight_t = weight.to(device=features.device, dtype=dtype).t().contiguous()
         self.bias = None if bias is None else bias.to(device=features.device, dtype=dtype)
@@ -114,6 +117,8 @@ class LinearLogits(LogitSource):
     def chunks(self) -> Iterator[tuple[int, Tensor]]:
         for start in range(0, self.num_samples, self.chunk_size):
             block = self.features[start : start + self.chunk_size].to(self.dtype)
+            if self.center is not None:
+                block = block - self.center
             if self.bias is None:
                 yield start, block @ self.weight_t
             else:

@@ -248,7 +248,19 @@ def test_numpy_reference_of_head():
     ).sum(0) / len(x)
     rho = oas_shrinkage(torch.from_numpy(scatter), len(x))
     shrunk = (1 - rho) * scatter + rho * np.trace(scatter) / x.shape[1] * np.eye(x.shape[1])
-    weight = np.linalg.solve(shrunk, means.T).T
+    center = x.mean(0)
+    centred_weight = np.linalg.solve(shrunk, (means - center).T).T
+    eq9_weight = np.linalg.solve(shrunk, means.T).T
+    eq9_bias = -0.5 * (means * eq9_weight).sum(1)
     head = frolic_tta.frolic(world.features.double(), world.prototypes.double()).head.gaussian
     torch.testing.assert_close(head.shared_covariance, torch.from_numpy(shrunk))
-    torch.testing.assert_close(head.weight, torch.from_numpy(weight), rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(head.weight, torch.from_numpy(centred_weight), rtol=1e-7, atol=1e-7)
+    weight, bias = head.paper_parameters()
+    torch.testing.assert_close(weight, torch.from_numpy(eq9_weight), rtol=1e-7, atol=1e-6)
+    # centred f_g and Eq. 9 differ by a constant per sample, never across classes
+    eq9 = x @ eq9_weight.T + eq9_bias
+    ours = (x - center) @ centred_weight.T + head.bias.numpy()
+    difference = eq9 - ours
+    np.testing.assert_allclose(
+        difference, difference[:, :1].repeat(len(z), 1), rtol=1e-9, atol=1e-6
+    )

@@ -1,0 +1,74 @@
+"""Loading a frozen open_clip model with errors that say how to fix them (data/prompts room)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import open_clip
+import torch
+
+
+class WeightsNotFoundError(RuntimeError):
+    """open_clip could not find or download the requested weights."""
+
+
+def resolve_model_name(model_name: str) -> str:
+    """An open_clip model name, or the path of a model-config JSON (registered under its stem).
+
+    Raises:
+        FileNotFoundError: a ``.json`` path that does not exist.
+    """
+    if model_name.endswith(".json"):
+        path = Path(model_name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"open_clip model config {str(path)!r} does not exist; pass an open_clip model "
+                "name (e.g. --model.model_name ViT-B-16) or the path of a model-config JSON"
+            )
+        open_clip.add_model_config(path)
+        return path.stem
+    return model_name
+
+
+def load_open_clip(model_name: str, pretrained: str | None) -> tuple[torch.nn.Module, Any, Any]:
+    """Create a frozen open_clip model: ``(model, eval preprocess, tokenizer)``.
+
+    Args:
+        model_name: any open_clip model name (``"ViT-B-16"``) or a model-config JSON path.
+        pretrained: an open_clip tag (``"openai"``), a local checkpoint path, or ``None``
+            (random weights; for timing and tests).
+
+    Raises:
+        WeightsNotFoundError: a checkpoint path that does not exist, or weights that could not
+            be downloaded, with the fix (``--model.pretrained /path/to.ckpt``).
+        ValueError: an unknown model name.
+    """
+    name = resolve_model_name(model_name)
+    if name not in open_clip.list_models():
+        raise ValueError(
+            f"Expected `model_name` to be an open_clip model or a config JSON path, but got "
+            f"{model_name!r} (see open_clip.list_models())"
+        )
+    looks_like_path = pretrained is not None and (
+        "/" in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors", ".ckpt"))
+    )
+    if looks_like_path and not Path(pretrained).expanduser().is_file():
+        raise WeightsNotFoundError(
+            f"checkpoint {pretrained!r} for {name!r} does not exist; pass an existing file with "
+            "--model.pretrained /path/to.ckpt or an open_clip tag such as 'openai'"
+        )
+    try:
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+    except RuntimeError as error:
+        text = str(error)
+        if "download" in text.lower() or "not a known tag" in text:
+            tags = [tag for arch, tag in open_clip.list_pretrained() if arch == name]
+            raise WeightsNotFoundError(
+                f"could not load weights {pretrained!r} for open_clip model {name!r} "
+                f"(known tags: {tags}); without internet, download the checkpoint elsewhere and "
+                f"pass --model.pretrained /path/to.ckpt. open_clip said: {text.splitlines()[0]}"
+            ) from None
+        raise
+    model.eval().requires_grad_(False)
+    return model, preprocess, open_clip.get_tokenizer(name)

@@ -1,0 +1,63 @@
+"""Run FrolicModule.predict on generated images; used by tests in a subprocess (DDP on CPU).
+
+Usage: python tests/ddp_predict.py CONFIG_JSON CHECKPOINT N BATCH DEVICES STRATEGY OUT_DIR [pad]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from frolic_tta import FrolicModule, FrolicPredictionWriter  # noqa: E402
+from frolic_tta.data import IndexedDataset  # noqa: E402
+from tests.generated import CLASS_NAMES, GeneratedImages  # noqa: E402
+
+
+def main() -> None:
+    config, checkpoint, n, batch, devices, strategy, out_dir = sys.argv[1:8]
+    pad = len(sys.argv) > 8 and sys.argv[8] == "pad"
+    torch.set_num_threads(1)
+    dataset = IndexedDataset(GeneratedImages(int(n)))
+    module = FrolicModule(
+        model_name=config,
+        pretrained=checkpoint,
+        class_names=CLASS_NAMES,
+        templates=["a photo of a {}."],
+        ablations=True,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(devices),
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[FrolicPredictionWriter(out_dir)],
+    )
+    sampler = None
+    if pad:  # a user's own padding sampler: must be detected
+        sampler = DistributedSampler(
+            dataset, num_replicas=int(devices), rank=trainer.global_rank, shuffle=False
+        )
+    loader = DataLoader(dataset, batch_size=int(batch), sampler=sampler)
+    trainer.predict(module, dataloaders=loader, return_predictions=False)
+    if trainer.global_rank == 0:
+        torch.save(
+            {
+                "metrics": module.metrics_,
+                "tau_g": module.head.tau_g,
+                "beta": module.head.beta,
+                "head": module.head.state_dict(),
+            },
+            Path(out_dir) / "summary.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()
