@@ -219,8 +219,8 @@ def fit_frolic(
         fused = TensorLogits(buffer, chunk_size)
     else:
         head = FrolicHead(z, gaussian, tau_c, tau_g, torch.ones(z.shape[0], dtype=torch.float64))
-        weight, bias, center = head.centred_linear(debias=False)
-        fused = LinearLogits(features, weight, bias, chunk_size, center)
+        fused_weight, fused_bias, center = head.centred_linear(debias=False)
+        fused = LinearLogits(features, fused_weight, fused_bias, chunk_size, center)
     beta = estimate_label_bias(fused, eps=eps, method=bias, reduce_fn=reduce_fn)
     if buffer is not None:
         buffer.sub_(torch.log(beta).to(buffer))

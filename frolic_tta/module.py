@@ -32,6 +32,11 @@ The global sample count must equal the dataset length (a padding ``DistributedSa
 precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is created after the
 precision plugin has converted the module, and finalize runs with autocast disabled.
 
+**Attributes after predict.** ``head`` (:class:`~frolic_tta.FrolicHead`), ``metrics_`` (accuracy
+of every Table 3/4 row when batches carry labels, plus ``tau_g``), ``class_probability_``
+(``"before"``/``"after"``: per-class mean predicted probability of :math:`f_f` and :math:`f_d`
+over the whole dataset, the paper's Fig. 1c/d), ``images_encoded``.
+
 **Re-use.** After adaptation ``f_d(x) = A x + c`` (:meth:`adapted_classifier`); it is saved in
 checkpoints. With ``reuse_head=True`` a later ``predict`` scores batches with the stored head
 in one phase (no statistics, no re-adaptation); set it back to ``False`` to re-adapt.
@@ -70,7 +75,8 @@ class FrolicModule(L.LightningModule):
         shrinkage: ``"oas"`` or a float in [0, 1] (soft covariance only).
         bias: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
         ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
-        return_logits: return ``(n, K)`` logits per batch (turn off for very large K).
+        return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
+            any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
         reuse_head: score with the stored head instead of re-adapting, if one exists.
         text_batch_size: prompts per text-encoder forward.
         chunk_size: rows per chunk in finalize.
@@ -101,6 +107,7 @@ class FrolicModule(L.LightningModule):
         self.reuse_head = reuse_head
         self.head: FrolicHead | None = None
         self.metrics_: dict[str, float] = {}
+        self.class_probability_: dict[str, Tensor] = {}
         self.images_encoded = 0
         self._reset_epoch()
 
@@ -242,15 +249,25 @@ class FrolicModule(L.LightningModule):
             bias=hp.bias,
             sums=sums,
             reduce_fn=self._reduce,
-            keep_logits=True,
+            keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
             chunk_size=hp.chunk_size,
         )
         self.head = fit.head
+        log_beta = torch.log(self.head.beta).to(device=features.device, dtype=torch.float32)
+        probability = torch.zeros(2, log_beta.shape[0], dtype=torch.float64)
         start = 0
         for output in self._outputs:
             n = output["prediction"].shape[0]
-            self._fill(output, fit.logits[start : start + n])
+            if fit.logits is not None:
+                logits = fit.logits[start : start + n]
+            else:
+                logits = self.head.score(features[start : start + n])
+            self._fill(output, logits)
+            probability[0] += torch.softmax(logits + log_beta, 1).sum(0, dtype=torch.float64).cpu()
+            probability[1] += torch.softmax(logits, 1).sum(0, dtype=torch.float64).cpu()
             start += n
+        probability = self._reduce(probability) / sums.count.cpu()
+        self.class_probability_ = {"before": probability[0], "after": probability[1]}
         has_labels = len(self._labels) == len(self._outputs)
         if has_labels and hp.ablations:
             self._evaluate(features, torch.cat(self._labels), sums)

@@ -173,6 +173,20 @@ def test_ablation_rows_and_linear_head():
     torch.testing.assert_close(result.fused_logits, expected, rtol=1e-5, atol=1e-3)
 
 
+def test_streaming_fit_equals_buffered_fit():
+    world = clip_world(num_samples=1500, seed=4)
+    buffered = frolic_tta.fit_frolic(world.features, world.prototypes, chunk_size=256)
+    streamed = frolic_tta.fit_frolic(
+        world.features, world.prototypes, keep_logits=False, chunk_size=256
+    )
+    assert streamed.logits is None
+    assert streamed.head.tau_g == pytest.approx(buffered.head.tau_g, rel=1e-6)
+    torch.testing.assert_close(streamed.head.beta, buffered.head.beta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        streamed.head.score(world.features), buffered.logits, rtol=1e-5, atol=1e-3
+    )
+
+
 def test_float32_and_float64_agree():
     world = clip_world(num_samples=2000, seed=3)
     single = frolic_tta.frolic(world.features.float(), world.prototypes.float())

@@ -127,13 +127,13 @@ def test_exported_head_reproduces_and_scores_new_data(tiny_clip, single_101, tmp
     layer = module.adapted_classifier()
     torch.testing.assert_close(layer(features), out["logits"], rtol=1e-5, atol=1e-4)
     # checkpoint round trip, then score new data with the stored head (no re-adaptation)
+    fresh = make_module(tiny_clip)
     trainer = make_trainer()
-    trainer.predict(module, loader(5))  # reuse_head is False: re-adapts on these 5 samples
-    assert module.images_encoded == 101 + 5
+    trainer.predict(fresh, loader(40))
     ckpt = tmp_path / "frolic.ckpt"
     trainer.save_checkpoint(ckpt)
     restored = FrolicModule.load_from_checkpoint(ckpt)
-    torch.testing.assert_close(restored.head.linear()[0], module.head.linear()[0])
+    torch.testing.assert_close(restored.head.linear()[0], fresh.head.linear()[0])
     restored.reuse_head = True
     new = concat_outputs(make_trainer().predict(restored, loader(20, seed=3)))
     new_features, _ = reference(tiny_clip, 20, seed=3)
@@ -152,6 +152,17 @@ def test_unlabeled_and_bf16_true(tiny_clip):
     assert bool(torch.isfinite(out["logits"]).all())
     assert module.moments.outer_sum.dtype == torch.float64
     assert module.head.beta.dtype == torch.float64
+
+
+def test_class_probability_and_no_logits_mode(tiny_clip, single_101):
+    module, out, _ = single_101
+    after = torch.softmax(out["logits"].double(), 1).mean(0)
+    torch.testing.assert_close(module.class_probability_["after"], after, rtol=1e-5, atol=1e-6)
+    assert float(module.class_probability_["before"].sum()) == pytest.approx(1.0)
+    lean = make_module(tiny_clip, return_logits=False, ablations=False)
+    lean_out = concat_outputs(make_trainer().predict(lean, loader(101)))
+    assert "logits" not in lean_out
+    assert torch.equal(lean_out["prediction"], out["prediction"])
 
 
 def test_batch_without_index_is_rejected(tiny_clip):
