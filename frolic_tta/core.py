@@ -17,14 +17,20 @@ Shapes: N samples, K classes, d embedding dim.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import BiasMethod, estimate_label_bias
-from frolic_tta.gda import Covariance, GaussianHead, MomentSums, fit_gaussian_head, moment_sums
+from frolic_tta.gda import (
+    Covariance,
+    GaussianHead,
+    MomentSums,
+    Shrinkage,
+    fit_gaussian_head,
+    moment_sums,
+)
 from frolic_tta.streams import (
     DEFAULT_CHUNK_SIZE,
     LinearLogits,
@@ -172,7 +178,7 @@ def fit_frolic(
     tau_c: float = 0.01,
     eps: float = 0.01,
     covariance: Covariance = "soft",
-    shrinkage: float | Literal["oas"] | None = "oas",
+    shrinkage: Shrinkage = "auto",
     bias: BiasMethod = "soft",
     sums: MomentSums | None = None,
     reduce_fn: ReduceFn | None = None,
@@ -187,7 +193,7 @@ def fit_frolic(
         tau_c: zero-shot temperature :math:`\\tau_c`.
         eps: tolerance of Algorithm 2.
         covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7), see :mod:`frolic_tta.gda`.
-        shrinkage: for ``"soft"``: ``"oas"`` (default), a float or ``None``.
+        shrinkage: for ``"soft"``: ``"auto"`` (default), ``"oas"``, a float or ``None``.
         bias: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
         sums: already *reduced* moment sums (e.g. from :class:`frolic_tta.stats.FrolicMoments`);
             computed from ``features`` and reduced with ``reduce_fn`` if ``None``.
@@ -301,7 +307,7 @@ def frolic(
     eps: float = 0.01,
     covariance: Covariance = "soft",
     bias: BiasMethod = "soft",
-    shrinkage: float | Literal["oas"] | None = "oas",
+    shrinkage: Shrinkage = "auto",
     normalize: bool = False,
     reduce_fn: ReduceFn | None = None,
 ) -> FrolicResult:
@@ -315,7 +321,8 @@ def frolic(
         covariance: ``"soft"`` (default, PD on unit-norm features) or ``"paper"`` (Eq. 7).
         bias: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as written), ``"implicit"``,
             ``"none"``.
-        shrinkage: OAS (default), a float in [0, 1] or ``None``; ``"soft"`` covariance only.
+        shrinkage: ``"auto"`` (default: OAS only when the scatter is rank-deficient),
+            ``"oas"``, a float in [0, 1] or ``None``; ``"soft"`` covariance only.
         normalize: L2-normalise features and prototypes first (CLIP features).
         reduce_fn: sums a tensor over shards; ``features`` is then the local shard.
 

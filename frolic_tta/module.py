@@ -72,7 +72,7 @@ class FrolicModule(L.LightningModule):
         tau_c: zero-shot temperature :math:`\\tau_c`.
         eps: tolerance of the label-bias loop.
         covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7).
-        shrinkage: ``"oas"`` or a float in [0, 1] (soft covariance only).
+        shrinkage: ``"auto"``, ``"oas"``, a float in [0, 1] or ``None`` (soft covariance only).
         bias: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
         ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
         return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
@@ -92,7 +92,7 @@ class FrolicModule(L.LightningModule):
         tau_c: float = 0.01,
         eps: float = 0.01,
         covariance: Literal["soft", "paper"] = "soft",
-        shrinkage: float | Literal["oas"] = "oas",
+        shrinkage: float | Literal["auto", "oas"] | None = "auto",
         bias: Literal["soft", "paper", "implicit", "none"] = "soft",
         ablations: bool = True,
         return_logits: bool = True,

@@ -61,6 +61,20 @@ def test_soft_covariance_is_consistent_in_paper_model():
     assert float(relative.max()) < 0.08
 
 
+def test_auto_shrinkage_only_when_rank_deficient():
+    full = clip_world(num_samples=400, seed=6)  # N > d = 64: scatter is PD, left unshrunk
+    head = frolic_tta.frolic(full.features, full.prototypes).head.gaussian
+    assert head.shrinkage == 0.0
+    few = clip_world(num_samples=40, seed=6)  # N < d: singular scatter, OAS makes it PD
+    head = frolic_tta.frolic(few.features, few.prototypes).head.gaussian
+    assert 0.0 < head.shrinkage <= 1.0
+    assert bool(torch.linalg.eigvalsh(head.shared_covariance).min() > 0)
+    with pytest.raises(ValueError, match="Cholesky factorisation failed"):
+        frolic_tta.frolic(few.features.double(), few.prototypes.double(), shrinkage=None)
+    with pytest.raises(ValueError, match=r"`shrinkage` in \[0, 1\], 'auto', 'oas' or None"):
+        frolic_tta.frolic(few.features, few.prototypes, shrinkage=1.5)
+
+
 def test_oas_matches_scikit_learn():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 12, generator=g, dtype=torch.float64) @ torch.randn(
@@ -266,7 +280,9 @@ def test_numpy_reference_of_head():
     centred_weight = np.linalg.solve(shrunk, (means - center).T).T
     eq9_weight = np.linalg.solve(shrunk, means.T).T
     eq9_bias = -0.5 * (means * eq9_weight).sum(1)
-    head = frolic_tta.frolic(world.features.double(), world.prototypes.double()).head.gaussian
+    head = frolic_tta.frolic(
+        world.features.double(), world.prototypes.double(), shrinkage="oas"
+    ).head.gaussian
     torch.testing.assert_close(head.shared_covariance, torch.from_numpy(shrunk))
     torch.testing.assert_close(head.weight, torch.from_numpy(centred_weight), rtol=1e-7, atol=1e-7)
     weight, bias = head.paper_parameters()
