@@ -17,6 +17,9 @@ from frolic_tta.debias import estimate_label_bias
 from frolic_tta.gda import MomentSums
 from frolic_tta.streams import DEFAULT_CHUNK_SIZE, LinearLogits, ReduceFn
 
+ORACLE_MAX_CLASSES = 4096
+"""The Oracle row solves the (K, K) system of Proposition 2; above this K it is skipped."""
+
 ROWS = (
     "f_c",
     "f_c - ln beta",
@@ -38,8 +41,9 @@ def metric_key(row: str) -> str:
 
 def make_accuracy_metrics(num_classes: int) -> MetricCollection:
     """One micro-averaged multiclass accuracy per row, keyed by :func:`metric_key`."""
+    rows = [r for r in ROWS if r != "oracle" or num_classes <= ORACLE_MAX_CLASSES]
     return MetricCollection(
-        {metric_key(row): MulticlassAccuracy(num_classes, average="micro") for row in ROWS}
+        {metric_key(row): MulticlassAccuracy(num_classes, average="micro") for row in rows}
     )
 
 
@@ -56,7 +60,8 @@ def row_heads(
     """Every row as a linear map ``(weight (K, d), bias (K,), center (d,) or None)``.
 
     Estimating the extra priors (debiased :math:`f_c`, implicit, Oracle) costs passes and
-    ``reduce_fn`` calls, identical on every rank.
+    ``reduce_fn`` calls, identical on every rank. The Oracle row needs a ``(K, K)`` matrix and
+    is left out when K > ``ORACLE_MAX_CLASSES``.
     """
     z = head.prototypes
     k = z.shape[0]
@@ -69,11 +74,15 @@ def row_heads(
     fused = LinearLogits(features, fused_weight, fused_bias, chunk_size, mu)
     beta_c = estimate_label_bias(scaled, eps=eps, reduce_fn=reduce_fn)
     implicit = estimate_label_bias(fused, method="implicit", reduce_fn=reduce_fn)
-    oracle = estimate_label_bias(fused, eps=eps, labels=labels, reduce_fn=reduce_fn)
+    rows = {}
+    if k <= ORACLE_MAX_CLASSES:
+        oracle = estimate_label_bias(fused, eps=eps, labels=labels, reduce_fn=reduce_fn)
+        rows["oracle"] = (fused_weight, fused_bias - torch.log(oracle), mu)
     # TDE: f_c of the component orthogonal to the mean test feature = f_c of P x, P symmetric
     direction = sums.feature_sum / sums.feature_sum.norm()
     tde_weight = z - (z @ direction)[:, None] * direction[None, :]
     return {
+        **rows,
         "f_c": (z, zeros, None),
         "f_c - ln beta": (z / head.tau_c, -torch.log(beta_c), None),
         "f_g": (gaussian.weight, gaussian.bias, mu),
@@ -82,7 +91,6 @@ def row_heads(
         "f_d": (final_weight, final_bias, mu),
         "tde": (tde_weight, zeros, None),
         "implicit": (fused_weight, fused_bias - torch.log(implicit), mu),
-        "oracle": (fused_weight, fused_bias - torch.log(oracle), mu),
     }
 
 
