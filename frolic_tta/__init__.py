@@ -7,7 +7,14 @@ prompts and CLI.
 
 from frolic_tta.calibration import confidence, match_temperature
 from frolic_tta.callbacks import FrolicPredictionWriter, join_predictions
-from frolic_tta.core import FrolicHead, FrolicResult, fit_frolic, frolic, tde_logits
+from frolic_tta.core import (
+    FrolicClassifier,
+    FrolicHead,
+    FrolicResult,
+    fit_frolic,
+    frolic,
+    tde_logits,
+)
 from frolic_tta.debias import estimate_label_bias
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.module import FrolicModule
@@ -17,6 +24,7 @@ __all__ = [
     "FrolicModule",
     "FrolicPredictionWriter",
     "join_predictions",
+    "FrolicClassifier",
     "FrolicHead",
     "FrolicResult",
     "GaussianHead",

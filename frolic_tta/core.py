@@ -104,14 +104,23 @@ class FrolicHead:
         weight, bias, center = self.centred_linear(debias=debias)
         return weight, bias - weight @ center
 
-    def to_linear(self) -> torch.nn.Linear:
-        """A ``torch.nn.Linear(d, K)`` computing :math:`f_d` (float32)."""
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
+        """A plain ``torch.nn.Linear(d, K)`` computing :math:`f_d(x) = A x + c`.
+
+        In float32 ``A x`` and ``c`` can be large and cancel (an ill-conditioned
+        :math:`\\hat\\Sigma`); :meth:`to_module` avoids that, or use ``dtype=torch.float64``.
+        """
         weight, bias = self.linear()
-        layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=dtype)
         with torch.no_grad():
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
         return layer.requires_grad_(False)
+
+    def to_module(self) -> FrolicClassifier:
+        """The adapted classifier as a :class:`FrolicClassifier` (centred, float32-safe)."""
+        weight, bias, center = self.centred_linear()
+        return FrolicClassifier(weight, bias, center)
 
     def state_dict(self) -> dict[str, Tensor | float]:
         """Everything needed to rebuild the head, as plain tensors and floats (float64)."""
@@ -159,6 +168,30 @@ class FrolicHead:
             features.to(dtype),
             weight.to(features.device, dtype).t(),
         )
+
+
+class FrolicClassifier(torch.nn.Module):
+    """The adapted classifier :math:`f_d(x) = A(x - \\mu) + c`: one affine map, evaluated with
+    the centring that keeps float32 exact. Buffers ``weight`` (K, d), ``bias`` (K,),
+    ``center`` (d,); input ``(n, d)`` L2-normalised features, output ``(n, K)`` logits."""
+
+    weight: Tensor
+    bias: Tensor
+    center: Tensor
+
+    def __init__(self, weight: Tensor, bias: Tensor, center: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().clone())
+        self.register_buffer("bias", bias.detach().float().clone())
+        self.register_buffer("center", center.detach().float().clone())
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> FrolicClassifier:
+        """Rebuild from :meth:`state_dict`."""
+        return cls(state["weight"], state["bias"], state["center"])
+
+    def forward(self, features: Tensor) -> Tensor:
+        return torch.addmm(self.bias, features.to(self.weight) - self.center, self.weight.t())
 
 
 @dataclass

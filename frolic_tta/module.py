@@ -53,7 +53,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.clip_loading import load_open_clip
-from frolic_tta.core import FrolicHead, fit_frolic
+from frolic_tta.core import FrolicClassifier, FrolicHead, fit_frolic
 from frolic_tta.evaluation import make_accuracy_metrics, row_heads, update_accuracies
 from frolic_tta.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.stats import FrolicMoments
@@ -129,6 +129,8 @@ class FrolicModule(L.LightningModule):
         prompts = build_class_prompts(
             self.class_names, self.hparams.templates, self.hparams.prompts_file
         )
+        trainer = self._trainer
+        progress = bool(trainer and trainer.is_global_zero and trainer.progress_bar_callback)
         with torch.autocast(self.device.type, enabled=False):
             return encode_prototypes(
                 self.clip,
@@ -136,6 +138,7 @@ class FrolicModule(L.LightningModule):
                 prompts,
                 batch_size=self.hparams.text_batch_size,
                 device=self.device,
+                progress=progress,
             ).float()
 
     def encode_images(self, images: Tensor) -> Tensor:
@@ -298,11 +301,15 @@ class FrolicModule(L.LightningModule):
         )
 
     # ------------------------------------------------------------------ re-use
-    def adapted_classifier(self) -> torch.nn.Linear:
-        """The adapted classifier :math:`f_d(x) = A x + c` on normalised features."""
+    def adapted_classifier(self) -> FrolicClassifier:
+        """The adapted classifier :math:`f_d(x) = A (x - \\mu) + c` on normalised features.
+
+        A :class:`~frolic_tta.core.FrolicClassifier` (``nn.Module``); ``self.head.to_linear()``
+        gives a plain ``nn.Linear`` computing :math:`A x + c'`.
+        """
         if self.head is None:
             raise RuntimeError("FrolicModule has not been adapted yet: run trainer.predict first")
-        return self.head.to_linear()
+        return self.head.to_module()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

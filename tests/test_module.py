@@ -126,6 +126,10 @@ def test_exported_head_reproduces_and_scores_new_data(tiny_clip, single_101, tmp
     features, _ = reference(tiny_clip, 101)
     layer = module.adapted_classifier()
     torch.testing.assert_close(layer(features), out["logits"], rtol=1e-5, atol=1e-4)
+    plain = module.head.to_linear(torch.float64)  # the same map as one nn.Linear: A x + c
+    torch.testing.assert_close(
+        plain(features.double()).float(), out["logits"], rtol=1e-5, atol=1e-4
+    )
     # checkpoint round trip, then score new data with the stored head (no re-adaptation)
     fresh = make_module(tiny_clip)
     trainer = make_trainer()
@@ -184,7 +188,7 @@ def test_batch_without_index_is_rejected(tiny_clip):
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """1 vs 2 processes: open_clip's encoder output depends on which images share a batch in
     the last float32 bit (measured: 6e-8), and DDP changes batch composition; the random tiny
-    model's covariance (condition number ~500) amplifies that to ~2e-5 of the logit scale.
+    model's unshrunk covariance amplifies that to ~2e-5 of the logit scale (and 3e-5 in beta).
     With identical features the sharded estimator agrees to 1e-6 (tests/test_sharded_core.py).
     """
     scale = float(expected.abs().max())
@@ -219,7 +223,7 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
     assert_logits_close(joined["logits"], single["logits"])
     summary = torch.load(tmp_path / "summary.pt", weights_only=False)
     assert summary["tau_g"] == pytest.approx(single_module.head.tau_g, rel=1e-4)
-    torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-5)
+    torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-4)
     accuracies = {k: v for k, v in single_module.metrics_.items() if k.startswith("acc/")}
     assert len(accuracies) == 9
     for key, value in accuracies.items():  # synced over ranks: same counts as one process
