@@ -37,7 +37,9 @@ def load_open_clip(model_name: str, pretrained: str | None) -> tuple[torch.nn.Mo
     Args:
         model_name: any open_clip model name (``"ViT-B-16"``) or a model-config JSON path.
         pretrained: an open_clip tag (``"openai"``), a local checkpoint path, or ``None``
-            (random weights; for timing and tests).
+            (random weights; for timing and tests). A tag trained with QuickGELU (``openai``)
+            gets QuickGELU even under a plain model name; a checkpoint *path* cannot tell, so
+            pass e.g. ``ViT-B-16-quickgelu`` for OpenAI weights from a file.
 
     Raises:
         WeightsNotFoundError: a checkpoint path that does not exist, or weights that could not
@@ -58,8 +60,18 @@ def load_open_clip(model_name: str, pretrained: str | None) -> tuple[torch.nn.Mo
             f"checkpoint {pretrained!r} for {name!r} does not exist; pass an existing file with "
             "--model.pretrained /path/to.ckpt or an open_clip tag such as 'openai'"
         )
+    options: dict[str, Any] = {}
+    if pretrained is not None and not looks_like_path:
+        # OpenAI weights were trained with QuickGELU; open_clip's plain "ViT-B-16" config uses
+        # GELU and only warns. Build the activation the tag was trained with.
+        tag_cfg = open_clip.get_pretrained_cfg(name, pretrained) or {}
+        model_cfg = open_clip.get_model_config(name) or {}
+        if tag_cfg.get("quick_gelu", False) and not model_cfg.get("quick_gelu", False):
+            options["force_quick_gelu"] = True
     try:
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            name, pretrained=pretrained, **options
+        )
     except RuntimeError as error:
         text = str(error)
         if "download" in text.lower() or "not a known tag" in text:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
+from tqdm import tqdm
 
 from frolic_tta.data.datasets import DATASET_TEMPLATES, canonical_dataset_name
 
@@ -193,6 +194,7 @@ def encode_prototypes(
     *,
     batch_size: int = 256,
     device: torch.device | str | None = None,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Encode class prompts into CLIP text prototypes (CLIP's prompt ensembling).
 
@@ -205,6 +207,7 @@ def encode_prototypes(
         class_prompts: ``K`` non-empty lists of prompts (see :func:`build_class_prompts`).
         batch_size: Prompts encoded per forward pass.
         device: Where to run and return; default: the model's device.
+        progress: Show a tqdm progress bar over the prompts (e.g. on rank 0 only).
 
     Returns:
         ``(K, d)`` float32 unit-norm prototypes on ``device``.
@@ -229,6 +232,7 @@ def encode_prototypes(
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
+    bar = tqdm(total=len(flat), desc="Encoding prompts", unit="prompt", disable=not progress)
     try:
         pending: list[torch.Tensor] = []
         available = 0
@@ -239,6 +243,7 @@ def encode_prototypes(
             embeddings = F.normalize(model.encode_text(tokens).float(), dim=-1)
             pending.append(embeddings)
             available += embeddings.shape[0]
+            bar.update(embeddings.shape[0])
             if next_class < len(counts) and counts[next_class] <= available:
                 buffer = torch.cat(pending)
                 offset = 0
@@ -248,6 +253,7 @@ def encode_prototypes(
                     offset, next_class = end, next_class + 1
                 pending, available = [buffer[offset:]], available - offset
     finally:
+        bar.close()
         if was_training and hasattr(model, "train"):
             model.train()
     return F.normalize(torch.stack(prototypes), dim=-1).to(device=device, dtype=torch.float32)

@@ -1,0 +1,146 @@
+"""The command line: ``python train.py predict --config configs/<dataset>_<backbone>.yaml``.
+
+:class:`FrolicCLI` is a :class:`~lightning.pytorch.cli.LightningCLI` with one subcommand,
+``predict`` (Frolic adapts at test time; there is nothing to fit). It
+
+* takes :class:`~frolic_tta.FrolicModule` as ``model`` and any ``LightningDataModule`` with a
+  ``class_names`` attribute as ``data`` (default :class:`~frolic_tta.data.FrolicDataModule`, so
+  ``--data.dataset eurosat`` works without ``--data FrolicDataModule``);
+* links ``data.class_names`` to ``model.class_names`` when the datamodule is instantiated;
+* adds ``--output_dir`` (also the Trainer's ``default_root_dir``, where ``config.yaml`` is saved
+  and overwritten on a re-run) and always registers :class:`~frolic_tta.report.FrolicReport`
+  there (options under ``--report.*``);
+* turns missing data or weights into one error line and a non-zero exit (:func:`main`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+from frolic_tta.clip_loading import WeightsNotFoundError
+from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
+from frolic_tta.module import FrolicModule
+from frolic_tta.report import FrolicReport
+
+__all__ = ["FrolicCLI", "FrolicCLIError", "main"]
+
+DESCRIPTION = (
+    "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
+    "Run `predict --config configs/<dataset>_<backbone>.yaml`; outputs go to --output_dir."
+)
+
+
+class FrolicCLIError(RuntimeError):
+    """A configuration problem the user can fix (missing data or weights, bad option)."""
+
+
+def require_class_names(class_names: list[str] | None) -> list[str]:
+    """Link function ``data.class_names -> model.class_names``: fail early without names.
+
+    Raises:
+        ValueError: ``class_names`` is ``None`` or has fewer than 2 entries.
+    """
+    if class_names is None or len(class_names) < 2:
+        raise ValueError(
+            "Expected the datamodule to provide at least 2 class names, but got "
+            f"{class_names!r}. An unlabeled folder has none: pass them with "
+            "--data.class_names '[cat, dog, bird]'"
+        )
+    return list(class_names)
+
+
+USER_ERRORS = (WeightsNotFoundError, FileNotFoundError, ValueError)
+"""Errors raised while building the datamodule or the model that the user fixes by an option."""
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain, as a traceback would show it.
+
+    Follows ``__cause__`` (``raise ... from``) and unsuppressed ``__context__``; stops at
+    ``raise ... from None``.
+    """
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__
+        if inner is None and not error.__suppress_context__:
+            inner = error.__context__
+        if inner is None or id(inner) in seen:
+            return error
+        seen.add(id(inner))
+        error = inner
+
+
+class FrolicCLI(LightningCLI):
+    """LightningCLI for Frolic: ``predict`` only, report callback and output folder built in.
+
+    Args:
+        args: Command line arguments (default ``sys.argv[1:]``), a list, or a dict config.
+        run: ``False``: parse and instantiate only, without the ``predict`` subcommand.
+        **kwargs: Passed to :class:`~lightning.pytorch.cli.LightningCLI` (defaults here: the
+            Frolic model and datamodule classes, no logger, no seeding, config overwrite).
+    """
+
+    def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
+        defaults: dict[str, Any] = {
+            "model_class": FrolicModule,
+            "datamodule_class": L.LightningDataModule,
+            "subclass_mode_data": True,
+            "save_config_kwargs": {"overwrite": True},
+            "trainer_defaults": {"logger": False},
+            "seed_everything_default": False,
+            "auto_configure_optimizers": False,
+            "parser_kwargs": {"description": DESCRIPTION},
+        }
+        super().__init__(args=args, run=run, **{**defaults, **kwargs})
+
+    @override
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"predict": {"model", "dataloaders", "datamodule"}}
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--output_dir",
+            type=str,
+            default="outputs",
+            help="Folder for metrics.json, predictions, head and plots (and config.yaml).",
+        )
+        parser.add_lightning_class_args(FrolicReport, "report")
+        parser.link_arguments("output_dir", "report.output_dir")
+        parser.link_arguments("output_dir", "trainer.default_root_dir")
+        parser.link_arguments(
+            "data.class_names",
+            "model.class_names",
+            compute_fn=require_class_names,
+            apply_on="instantiate",
+        )
+        parser.set_defaults({"data": {"class_path": "frolic_tta.data.FrolicDataModule"}})
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except USER_ERRORS as error:
+            cause = root_cause(error)  # jsonargparse wraps errors of subclass-mode classes
+            if isinstance(cause, USER_ERRORS):
+                raise FrolicCLIError(str(cause)) from error
+            raise
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
+
+    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
+    is printed as ``error: ...`` on stderr and exits with status 2, without a traceback.
+    """
+    try:
+        FrolicCLI(args=args)
+    except FrolicCLIError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

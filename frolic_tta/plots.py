@@ -1,0 +1,118 @@
+"""PNG plots of a Frolic run: class probability before/after debiasing, and sorted beta-hat.
+
+Figures are drawn with :class:`matplotlib.figure.Figure` directly (Agg canvas, no display and no
+pyplot global state), so importing this module does not change the user's matplotlib backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from torch import Tensor
+
+__all__ = ["plot_beta", "plot_class_probability"]
+
+MAX_NAMED_CLASSES = 40
+"""Up to this many classes the x axis names them; above, classes are ranks."""
+
+
+def _check(values: Tensor, names: list[str], what: str) -> Tensor:
+    values = torch.as_tensor(values).detach().double().cpu().flatten()
+    if values.numel() != len(names):
+        raise ValueError(
+            f"Expected {what} with one value per class ({len(names)}), but got {values.numel()}"
+        )
+    return values
+
+
+def _title(prefix: str, what: str) -> str:
+    return f"{prefix}\n{what}" if prefix else what
+
+
+def _figure(k: int) -> tuple[Figure, Axes]:
+    width = 8.0 if k > MAX_NAMED_CLASSES else max(6.0, 0.3 * k)
+    fig = Figure(figsize=(width, 4.8), layout="constrained")
+    return fig, fig.subplots()
+
+
+def _class_axis(ax: Axes, order: Tensor, names: list[str]) -> None:
+    k = order.numel()
+    if k <= MAX_NAMED_CLASSES:
+        ax.set_xticks(range(k))
+        ax.set_xticklabels([names[i] for i in order.tolist()], rotation=60, ha="right", fontsize=8)
+    else:
+        ax.set_xlabel("class rank")
+
+
+def plot_class_probability(
+    before: Tensor, after: Tensor, names: list[str], output_dir: str | Path, title: str = ""
+) -> Path:
+    """Mean predicted probability per class, before (f_f) and after (f_d) debiasing.
+
+    The paper's Fig. 1c/d: classes sorted by the probability before debiasing, with the
+    uniform level 1/K; debiasing should flatten the curve.
+
+    Args:
+        before: ``(K,)`` mean softmax probability of the fused classifier.
+        after: ``(K,)`` mean softmax probability of the debiased classifier.
+        names: The K class names.
+        output_dir: Folder of ``class_probability.png``.
+        title: Prefix of the plot title.
+
+    Returns:
+        The path of the PNG.
+    """
+    before = _check(before, names, "`before`")
+    after = _check(after, names, "`after`")
+    order = torch.argsort(before, descending=True)
+    k = len(names)
+    fig, ax = _figure(k)
+    x = range(k)
+    if k <= MAX_NAMED_CLASSES:
+        ax.bar([i - 0.2 for i in x], before[order], width=0.4, label="before debiasing (f_f)")
+        ax.bar([i + 0.2 for i in x], after[order], width=0.4, label="after debiasing (f_d)")
+    else:
+        ax.plot(x, before[order], label="before debiasing (f_f)")
+        ax.plot(x, after[order], label="after debiasing (f_d)")
+    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    ax.set_ylabel("mean predicted probability")
+    ax.set_title(_title(title, "mean predicted probability per class, before/after debiasing"))
+    _class_axis(ax, order, names)
+    ax.legend()
+    path = Path(output_dir) / "class_probability.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_beta(beta: Tensor, names: list[str], output_dir: str | Path, title: str = "") -> Path:
+    """Estimated label bias :math:`\\hat\\beta` per class, sorted, on a log scale.
+
+    Args:
+        beta: ``(K,)`` estimated class prior (sums to 1).
+        names: The K class names.
+        output_dir: Folder of ``beta.png``.
+        title: Prefix of the plot title.
+
+    Returns:
+        The path of the PNG.
+    """
+    beta = _check(beta, names, "`beta`")
+    order = torch.argsort(beta, descending=True)
+    k = len(names)
+    fig, ax = _figure(k)
+    if k <= MAX_NAMED_CLASSES:
+        ax.bar(range(k), beta[order], color="tab:purple")
+    else:
+        ax.plot(range(k), beta[order], color="tab:purple")
+    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    ax.set_yscale("log")
+    ax.set_ylabel("estimated label bias beta-hat")
+    ax.set_title(_title(title, "estimated label bias beta-hat per class, sorted"))
+    _class_axis(ax, order, names)
+    ax.legend()
+    path = Path(output_dir) / "beta.png"
+    fig.savefig(path, dpi=120)
+    return path

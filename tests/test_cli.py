@@ -1,0 +1,278 @@
+"""Issue 4: ``python train.py predict`` end to end, the configs, and clear user errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from frolic_tta import FrolicClassifier, FrolicHead
+from frolic_tta.cli import FrolicCLI, main
+from frolic_tta.clip_loading import WeightsNotFoundError, load_open_clip
+from frolic_tta.data import DATASETS, canonical_dataset_name
+from frolic_tta.prompts import resolve_templates
+from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+N = len(IMAGE_FOLDER_CLASSES) * IMAGES_PER_CLASS
+REPORT_FILES = (
+    "metrics.json",
+    "predictions.csv",
+    "logits.pt",
+    "head.pt",
+    "class_probability.png",
+    "beta.png",
+    "config.yaml",
+)
+
+
+def tiny_args(tiny_clip, folder: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "predict",
+        "--model.model_name",
+        str(tiny_clip.config_path),
+        "--model.pretrained",
+        str(tiny_clip.checkpoint_path),
+        "--model.templates",
+        "[a photo of a {}.]",
+        "--data",
+        "ImageFolderDataModule",
+        "--data.root",
+        str(folder),
+        "--data.batch_size",
+        "4",
+        "--data.num_workers",
+        "0",
+        "--trainer.accelerator",
+        "cpu",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
+
+
+def run_train(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2-core CI: no thread oversubscription
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+
+@pytest.fixture(autouse=True)
+def bare_argv(monkeypatch):
+    """In-process ``main(args)``: no pytest arguments in ``sys.argv`` (LightningCLI warns)."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def read_report(out: Path) -> dict:
+    for name in REPORT_FILES:
+        assert (out / name).is_file(), name
+    for name in ("class_probability.png", "beta.png"):
+        with Image.open(out / name) as image:
+            assert image.format == "PNG" and min(image.size) > 100
+    assert not (out / "predictions").exists()  # per-rank shards joined and removed
+    with (out / "predictions.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return {
+        "metrics": json.loads((out / "metrics.json").read_text()),
+        "rows": rows,
+        "logits": torch.load(out / "logits.pt", weights_only=True),
+        "head": torch.load(out / "head.pt", weights_only=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_then_single(tiny_clip, image_folder, tmp_path_factory):
+    """2 processes (DDP), then 1 process into the same output folder."""
+    out = tmp_path_factory.mktemp("cli_out")
+    two = run_train(
+        tiny_args(
+            tiny_clip, image_folder, out, "--trainer.devices", "2", "--trainer.strategy", "ddp"
+        )
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    ddp = read_report(out)
+    shutil.copytree(out, out.parent / "ddp_copy")
+    one = run_train(tiny_args(tiny_clip, image_folder, out, "--trainer.devices", "1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    return ddp, read_report(out), one.stdout
+
+
+def test_report_files(ddp_then_single, tiny_clip, image_folder):
+    _, single, stdout = ddp_then_single
+    metrics, rows, logits = single["metrics"], single["rows"], single["logits"]
+    assert metrics["num_samples"] == N and metrics["num_classes"] == 3
+    assert metrics["labelled"] and metrics["dataset"] == "folder"
+    assert set(metrics["accuracy"]) == {
+        "f_c",
+        "f_c - ln beta",
+        "f_g",
+        "f_c + f_g",
+        "f_f",
+        "f_d",
+        "tde",
+        "implicit",
+        "oracle",
+    }
+    assert metrics["tau_g"] > 0 and metrics["beta"]["max_over_min"] >= 1
+    assert len(metrics["per_class"]["probability_before"]) == 3
+    assert "f_d" in stdout and "tau_g" in stdout and f"N={N}" in stdout  # terminal table
+    # CSV: every index once, file paths, class names, targets
+    assert [int(r["index"]) for r in rows] == list(range(N))
+    assert all(Path(r["path"]).is_file() and r["path"].startswith(str(image_folder)) for r in rows)
+    names = logits["class_names"]
+    assert {r["prediction"] for r in rows} <= set(names)
+    assert [names.index(r["prediction"]) for r in rows] == logits["prediction"].tolist()
+    assert [r["target"] for r in rows] == [names[t] for t in logits["target"].tolist()]
+    accuracy = float((logits["prediction"] == logits["target"]).double().mean())
+    assert metrics["accuracy"]["f_d"] == pytest.approx(accuracy)
+    # the saved linear head reproduces the logits from independently encoded features
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        tiny_clip.model_name, pretrained=str(tiny_clip.checkpoint_path)
+    )
+    images = torch.stack([preprocess(Image.open(r["path"]).convert("RGB")) for r in rows])
+    with torch.no_grad():
+        features = model.eval().encode_image(images).float()
+    features = features / features.norm(dim=1, keepdim=True)
+    layer = FrolicClassifier.from_state_dict(single["head"]["classifier"])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(features), logits["logits"], rtol=1e-4, atol=1e-4)
+    head = FrolicHead.from_state_dict(single["head"]["frolic_head"])
+    assert head.tau_g == pytest.approx(metrics["tau_g"])
+
+
+def test_one_and_two_devices_agree(ddp_then_single):
+    ddp, single, _ = ddp_then_single
+    assert ddp["metrics"]["world_size"] == 2 and single["metrics"]["world_size"] == 1
+    assert [r["index"] for r in ddp["rows"]] == [str(i) for i in range(N)]
+    assert torch.equal(ddp["logits"]["prediction"], single["logits"]["prediction"])
+    assert [r["prediction"] for r in ddp["rows"]] == [r["prediction"] for r in single["rows"]]
+    scale = float(single["logits"]["logits"].abs().max())  # see test_module.assert_logits_close
+    torch.testing.assert_close(
+        ddp["logits"]["logits"], single["logits"]["logits"], rtol=0, atol=1e-4 * scale
+    )
+    assert ddp["metrics"]["accuracy"] == pytest.approx(single["metrics"]["accuracy"], abs=1e-6)
+
+
+def test_unlabeled_folder_gives_predictions_without_metrics(
+    tiny_clip, image_folder, tmp_path, capsys, one_thread
+):
+    names = "[red square, green circle, blue stripes]"
+    args = ["--data.labeled", "false", "--data.class_names", names]
+    main(
+        tiny_args(
+            tiny_clip, image_folder, tmp_path, *args, "--trainer.enable_progress_bar", "false"
+        )
+    )
+    report = read_report(tmp_path)
+    assert report["metrics"]["accuracy"] == {} and not report["metrics"]["labelled"]
+    assert "target" not in report["rows"][0] and "target" not in report["logits"]
+    assert len(report["rows"]) == N
+    assert "no labels" in capsys.readouterr().out
+
+
+def test_unlabeled_folder_without_class_names_says_how(tiny_clip, image_folder, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_args(tiny_clip, image_folder, tmp_path, "--data.labeled", "false"))
+    assert exit_info.value.code != 0
+    assert "--data.class_names" in capsys.readouterr().err
+
+
+def test_missing_data_is_one_clear_error(tmp_path, capsys):
+    args = ["predict", "--data.dataset", "eurosat", "--data.root", str(tmp_path / "nowhere")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: EuroSAT") and err.count("\n") == 1
+    assert "--data.root" in err and "--data.download true" in err
+
+
+def test_missing_checkpoint_is_one_clear_error_without_traceback(tiny_clip, image_folder, tmp_path):
+    args = tiny_args(tiny_clip, image_folder, tmp_path)
+    args[args.index("--model.pretrained") + 1] = str(tmp_path / "missing.pt")
+    result = run_train(args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "--model.pretrained /path/to.ckpt" in result.stderr
+
+
+def test_only_predict_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit"])
+    assert exit_info.value.code != 0
+    assert "predict" in capsys.readouterr().err
+
+
+class ParseOnly(FrolicCLI):
+    """Parse a config without building data or loading weights."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def test_every_config_parses():
+    assert len(CONFIGS) == 2 * len(DATASETS) + 1
+    parser = ParseOnly(args=["--config", str(CONFIGS[0])], run=False).parser
+    seen = set()
+    for path in CONFIGS:
+        config = parser.parse_path(path)
+        model, data = config.model, config.data
+        assert resolve_templates(model.templates)
+        assert model.model_name in open_clip.list_models(), path.name
+        assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
+        assert config.output_dir == f"outputs/{path.stem}"
+        if path.stem != "folder":
+            key = canonical_dataset_name(data.init_args.dataset)
+            assert path.stem.startswith(key) and model.templates == key
+            seen.add((key, model.model_name))
+    backbones = ("ViT-B-16-quickgelu", "ViT-L-14-quickgelu")  # OpenAI weights' activation
+    assert seen == {(k, m) for k in DATASETS for m in backbones}
+
+
+def test_openai_tag_builds_quick_gelu(monkeypatch):
+    calls = []
+
+    def fake_create(name, pretrained=None, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("Failed to download weights (offline test)")
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", fake_create)
+    for name in ("ViT-B-16", "ViT-B-16-quickgelu"):
+        with pytest.raises(WeightsNotFoundError, match="--model.pretrained /path/to.ckpt"):
+            load_open_clip(name, "openai")
+    assert calls == [{"force_quick_gelu": True}, {}]
+
+
+@pytest.mark.parametrize("name", ["eurosat_vit_b16.yaml", "folder.yaml"])
+def test_print_config_round_trips(name, tmp_path, capsys):
+    def printed(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["predict", *args, "--print_config"])
+        assert exit_info.value.code in (0, None)
+        return capsys.readouterr().out
+
+    first = printed("--config", str(ROOT / "configs" / name), "--trainer.devices", "2")
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(first)
+    second = printed("--config", str(saved))
+    assert second == first
+    assert str(yaml.safe_load(first)["trainer"]["devices"]) == "2"
