@@ -7,14 +7,22 @@ With :math:`s(x) = \mathrm{softmax}(f(x))` the model's posterior and
 Methods (``method=``):
 
 * ``"soft"`` (default) -- :math:`s_j` is estimated with the *current debiased posterior*
-  :math:`q_i = \mathrm{softmax}(f(x_i) - \ln\beta^t)` as weights,
-  :math:`s_j = \sum_i q_{ij}\, s(x_i) / \sum_i q_{ij}`, and :math:`\beta^{t+1}` is a damped
-  Jacobi step towards :math:`\beta = S\beta` (see :func:`_soft_step`). Under Proposition 2's
-  model with a balanced test set, :math:`q` at the true
-  :math:`\beta^*` is the exact test posterior, so :math:`\mathbb E_q`-weighted means are the
-  class-conditional means and :math:`\beta^*` is a fixed point (consistency). :math:`S` is never
-  formed: :math:`S\beta = \sum_i s(x_i)\,\big(q_i^\top(\beta \oslash n)\big)` with
-  :math:`n_j = \sum_i q_{ij}`, two passes and two reductions per step; no K x K matrix.
+  :math:`q_i = \mathrm{softmax}(f(x_i) - \ln\beta)` as weights instead of argmax,
+  :math:`s_j = \sum_i q_{ij}\, s(x_i) / \sum_i q_{ij}`, and :math:`\beta = S(\beta)\beta`.
+  Under Proposition 2's model with a balanced test set, :math:`q` at the true :math:`\beta^*` is
+  the exact test posterior, so the weighted means are the class-conditional means and
+  :math:`\beta^*` is a fixed point (consistency). With :math:`r_i = \sum_k s_{ik}/\beta_k` and
+  :math:`n_j = \sum_i q_{ij}`, :math:`(S\beta)_k = \sum_i s_{ik}\,(\sum_j s_{ij}\beta_j/n_j)/r_i`;
+  where every :math:`n_j = N/K` this is :math:`\beta_k\sum_i q_{ik} \cdot K/N = \beta_k`, so
+  **the fixed point is where the debiased class masses are uniform**, the stationary point of
+  the convex :math:`L(\gamma) = \sum_i \operatorname{lse}(f(x_i) + \gamma) - \frac NK
+  \mathbf 1^\top\gamma` with :math:`\gamma = -\ln\beta` (:math:`\nabla L = n - N/K`).
+  We minimise it by Newton steps preconditioned with the diagonal curvature
+  :math:`h_j = \sum_i q_{ij}(1 - q_{ij})` and Armijo backtracking on :math:`L` (convex, so this
+  converges): one pass and one reduction per trial point, no K x K matrix, typically 5-30
+  passes (iterating :math:`S\beta` itself needs hundreds when :math:`S \approx I`).
+  It stops when :math:`\|\beta^t - \beta^{t-1}\|_1 < \epsilon` and the masses are within
+  :math:`\epsilon` of uniform, :math:`\|n/N - \mathbf 1/K\|_1 < \epsilon`.
 * ``"paper"`` -- Algorithm 2 as written: hard pseudo-labels from :math:`f - \ln\beta^t`,
   :math:`S` from the class-wise mean of :math:`s(x)` over each pseudo-class, :math:`\beta` by
   power iteration (Appendix A.6) to :math:`\|\Delta\|_1 < \epsilon`, outer loop until
@@ -111,44 +119,73 @@ def solve_stationary(matrix: Tensor) -> Tensor:
     return beta.clamp(min=0.0) / beta.clamp(min=0.0).sum()
 
 
-def _soft_step(source: LogitSource, beta: Tensor, reduce_fn: ReduceFn) -> Tensor:
-    """One damped Jacobi step towards :math:`\\beta = S(\\beta)\\beta` (soft method).
+def _newton_sums(source: LogitSource, gamma: Tensor) -> Tensor:
+    """``[N, sum_i lse(f_i + gamma), n_1..n_K, h_1..h_K]`` of the local shard (float64)."""
+    k = gamma.shape[0]
+    total = torch.zeros(2 * k + 2, dtype=torch.float64)
+    for _, logits in source.chunks():
+        shifted = logits + gamma.to(logits)
+        total[0] += logits.shape[0]
+        total[1] += float(torch.logsumexp(shifted, dim=1).sum(dtype=torch.float64))
+        debiased = torch.softmax(shifted, dim=1)
+        total[2 : k + 2] += debiased.sum(0, dtype=torch.float64).cpu()
+        total[k + 2 :] += (debiased - debiased * debiased).sum(0, dtype=torch.float64).cpu()
+    return total
 
-    With :math:`d_k = S_{kk}`, the Jacobi update :math:`\\beta_k \\leftarrow ((S\\beta)_k -
-    d_k\\beta_k)/(1 - d_k)` removes the self-loop that makes power iteration crawl when
-    :math:`S \\approx I` (well separated classes); averaging with the current iterate removes
-    the period-2 oscillation of the Jacobi map. Its fixed point is :math:`\\beta = S\\beta`.
-    Two passes, two reductions.
-    """
-    log_beta = torch.log(beta)
-    mass = torch.zeros_like(beta)
-    for _, logits in source.chunks():
-        debiased = torch.softmax(logits - log_beta.to(logits), dim=1)
-        mass += debiased.sum(0, dtype=torch.float64).cpu()
-    mass = reduce_fn(mass)
-    k = beta.shape[0]
-    occupied = mass > 0
-    safe_mass = torch.where(occupied, mass, torch.ones_like(mass))
-    ratio = torch.where(occupied, beta / safe_mass, 0.0)
-    sums = torch.zeros(2, k, dtype=torch.float64)  # rows: S beta, diag(S) * n
-    for _, logits in source.chunks():
-        probs = torch.softmax(logits, dim=1)
-        debiased = torch.softmax(logits - log_beta.to(logits), dim=1)
-        weight = debiased @ ratio.to(debiased)
-        sums[0] += (probs * weight[:, None]).sum(0, dtype=torch.float64).cpu()
-        sums[1] += (probs * debiased).sum(0, dtype=torch.float64).cpu()
-    sums = reduce_fn(sums)
-    # Columns of empty pseudo-classes are uniform: they send beta_j / K to every class.
-    uniform_share = float(beta[~occupied].sum()) / k
-    product = sums[0] + uniform_share
-    diagonal = torch.where(occupied, sums[1] / safe_mass, 1.0 / k)
-    off_diagonal = 1.0 - diagonal
-    movable = off_diagonal > 1e-12
-    jacobi = torch.where(
-        movable, (product - diagonal * beta) / torch.where(movable, off_diagonal, 1.0), beta
-    ).clamp(min=0.0)
-    jacobi = jacobi / jacobi.sum()
-    return 0.5 * (beta + jacobi)
+
+def _soft_newton(
+    source: LogitSource, eps: float, max_iter: int, prior_floor: float, reduce_fn: ReduceFn
+) -> tuple[Tensor, bool]:
+    """Minimise :math:`L(\\gamma)/N` (module docstring) by diagonally preconditioned Newton
+    steps with Armijo backtracking; ``(beta, converged)``. Each trial point costs one pass and
+    one ``reduce_fn`` call; accept/reject decisions use reduced values only."""
+    k = source.num_classes
+    ceiling = float(torch.log(torch.tensor(k / prior_floor)))  # keeps beta_j >= prior_floor / K
+    limit = torch.tensor(ceiling, dtype=torch.float64)
+
+    def evaluate(gamma: Tensor) -> tuple[float, Tensor, Tensor]:
+        sums = reduce_fn(_newton_sums(source, gamma))
+        n = float(sums[0])
+        objective = float(sums[1]) / n - float(gamma.sum()) / k
+        return objective, sums[2 : k + 2] / n - 1.0 / k, sums[k + 2 :] / n
+
+    gamma = torch.zeros(k, dtype=torch.float64)
+    objective, gradient, curvature = evaluate(gamma)
+    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    step_size, evaluations = 1.0, 1
+    while evaluations < max_iter:
+        direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)
+        trial = gamma - step_size * direction
+        trial = torch.minimum(trial - trial.min(), limit)
+        trial_objective, trial_gradient, trial_curvature = evaluate(trial)
+        evaluations += 1
+        decrease = 1e-4 * float((gradient * (gamma - trial)).sum())  # Armijo, <= 0
+        if trial_objective > objective - abs(decrease) and step_size > 1e-6:
+            step_size *= 0.5  # reject: retry a shorter step from the same point
+            continue
+        gamma, objective, gradient, curvature = (
+            trial,
+            trial_objective,
+            trial_gradient,
+            trial_curvature,
+        )
+        step_size = min(1.0, 2.0 * step_size)
+        new = _floor(torch.softmax(-gamma, 0), prior_floor)
+        change = float((new - beta).abs().sum())
+        beta = new
+        if change < eps and float(gradient.abs().sum()) < eps:
+            return beta, True
+        if change == 0.0:  # stalled at the floor: some class cannot reach 1/K of the mass
+            warnings.warn(
+                "estimate_label_bias(method='soft'): the debiased class masses cannot be made "
+                f"uniform within prior_floor={prior_floor} (L1 imbalance "
+                f"{float(gradient.abs().sum()):.3g}); a class has (almost) no posterior mass, "
+                "or the posteriors are hard. Returning the closest prior.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return beta, True
+    return beta, False
 
 
 def estimate_label_bias(
@@ -157,8 +194,8 @@ def estimate_label_bias(
     eps: float = 0.01,
     method: BiasMethod = "soft",
     labels: Tensor | None = None,
-    max_iter: int = 200,
-    prior_floor: float = 1e-6,
+    max_iter: int = 100,
+    prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
 ) -> Tensor:
     r"""Estimate the label prior :math:`\hat\beta` of a model from unlabeled data (Algorithm 2).
@@ -166,13 +203,13 @@ def estimate_label_bias(
     Args:
         logits: ``(N, K)`` logits :math:`f` whose softmax is the biased posterior (for Frolic,
             the fused :math:`f_f`), or a :class:`LogitSource` over the local shard.
-        eps: tolerance :math:`\epsilon`: ``"paper"`` stops at :math:`\|\beta^t -
-            \beta^{t-1}\|_1 < \epsilon` (Eq. 16); ``"soft"`` stops when the estimated L1
-            distance to the fixed point, :math:`\|\Delta^t\|_1\, r/(1-r)` with :math:`r` the
-            observed contraction rate, is below :math:`\epsilon`.
+        eps: tolerance :math:`\epsilon` on :math:`\|\beta^t - \beta^{t-1}\|_1` (Eq. 16);
+            ``"soft"`` also requires the debiased class masses within :math:`\epsilon` of
+            uniform in L1.
         method: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
         labels: ``(N,)`` true labels of the local shard: builds :math:`S` from them (Oracle).
-        max_iter: cap on outer iterations (each a fixed number of ``reduce_fn`` calls).
+        max_iter: cap on iterations (Newton steps for ``"soft"``, outer loops for ``"paper"``;
+            each a fixed number of ``reduce_fn`` calls).
         prior_floor: :math:`\beta_j \ge` ``prior_floor`` / K.
         reduce_fn: sums a tensor over shards (identity by default).
 
@@ -203,30 +240,24 @@ def estimate_label_bias(
     if method == "implicit":
         return _floor(_implicit(source, reduce_fn), prior_floor)
 
-    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    previous_change = None
-    for _ in range(max_iter):
-        if method == "paper":
+    if method == "soft":
+        beta, converged = _soft_newton(source, eps, max_iter, prior_floor, reduce_fn)
+        if converged:
+            return beta
+        change = float("nan")  # not tracked outside the Newton loop
+    else:
+        beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+        for _ in range(max_iter):
             matrix = _hard_class_matrix(source, torch.log(beta), None, reduce_fn)
             new = _floor(power_iteration(matrix, eps), prior_floor)
-        else:
-            new = _floor(_soft_step(source, beta, reduce_fn), prior_floor)
-        change = float((new - beta).abs().sum())
-        beta = new
-        if method == "paper":
+            change = float((new - beta).abs().sum())
+            beta = new
             if change < eps:  # Algorithm 2, line 9
                 return beta
-            continue
-        # soft: stop on the estimated distance to the fixed point, change * r / (1 - r), with
-        # r the observed contraction rate; ||delta||_1 < eps alone stops far too early when
-        # the iteration contracts slowly (well separated classes).
-        rate = change / previous_change if previous_change else 1.0
-        previous_change = change
-        if change == 0.0 or (rate < 1.0 and change * rate / (1.0 - rate) < eps):
-            return beta
     warnings.warn(
         f"estimate_label_bias(method={method!r}) stopped after max_iter={max_iter} iterations "
-        f"before reaching eps={eps} (last ||beta^t - beta^(t-1)||_1 = {change:.3g})",
+        f"before reaching eps={eps}"
+        + ("" if change != change else f" (last ||beta^t - beta^(t-1)||_1 = {change:.3g})"),
         UserWarning,
         stacklevel=2,
     )

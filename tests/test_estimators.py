@@ -99,6 +99,21 @@ def test_default_bias_recovers_prior_and_reaches_bayes(separation):
     assert accuracy(world.logits, world.labels) < bayes - 0.04  # there was a bias to remove
 
 
+def test_soft_prior_is_the_fixed_point_of_soft_s():
+    """The default's beta satisfies beta = S(beta) beta with S built explicitly from
+    debiased-posterior weights (an independent float64 check of the Newton solve)."""
+    world = prior_shift_world(num_samples=20000, separation=0.7, seed=2)
+    beta = frolic_tta.estimate_label_bias(world.logits, eps=1e-6)
+    s = torch.softmax(world.logits, 1)
+    q = torch.softmax(world.logits - beta.log(), 1)
+    matrix = (s.t() @ q) / q.sum(0)  # column j: q-weighted mean of s(x)
+    assert float((matrix @ beta - beta).abs().sum()) < 1e-4
+    k = len(beta)  # and the debiased class masses are uniform
+    torch.testing.assert_close(
+        q.mean(0), torch.full((k,), 1 / k, dtype=torch.float64), atol=1e-5, rtol=0
+    )
+
+
 def test_literal_algorithm_2_drifts_and_oracle_does_not():
     world = prior_shift_world(num_samples=20000, separation=0.5, seed=0)
     literal = frolic_tta.estimate_label_bias(world.logits, method="paper")
