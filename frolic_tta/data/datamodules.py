@@ -8,7 +8,7 @@ transform on ``FrolicModule``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
@@ -116,6 +116,23 @@ class _IndexedDataModule(L.LightningDataModule):
         return self.predict_dataloader()
 
 
+def override_class_names(
+    class_names: Sequence[str] | None, names: list[str], source: str
+) -> list[str]:
+    """The user's ``class_names`` if given (one per class of ``source``), else ``names``.
+
+    Raises:
+        ValueError: ``class_names`` has a different length than ``names``.
+    """
+    if class_names is None:
+        return names
+    if len(class_names) != len(names):
+        raise ValueError(
+            f"Expected {len(names)} class_names for {source}, but got {len(class_names)}"
+        )
+    return list(class_names)
+
+
 def _folder_source(
     root: str, labeled: bool, class_names: list[str] | None
 ) -> tuple[Dataset, list[str] | None]:
@@ -129,14 +146,7 @@ def _folder_source(
             f"class, or use labeled=False / dataset='unlabeled' for a flat folder."
         ) from None
     names = [clean_class_name(c) for c in source.classes]
-    if class_names is not None:
-        if len(class_names) != len(names):
-            raise ValueError(
-                f"class_names has {len(class_names)} entries but '{root}' has {len(names)} "
-                f"class folders ({source.classes[:5]}...)"
-            )
-        names = list(class_names)
-    return source, names
+    return source, override_class_names(class_names, names, f"the class folders of '{root}'")
 
 
 class FrolicDataModule(_IndexedDataModule):
@@ -181,13 +191,7 @@ class FrolicDataModule(_IndexedDataModule):
                 source, names = build_split_file_dataset(split_file, image_dir, split)
             else:
                 source, names = build_dataset(key, root, split=split, download=download)
-            if class_names is not None:
-                if len(class_names) != len(names):
-                    raise ValueError(
-                        f"class_names has {len(class_names)} entries, expected {len(names)} "
-                        f"for dataset {key!r}"
-                    )
-                names = list(class_names)
+            names = override_class_names(class_names, names, f"dataset {key!r}")
         labeled = key != "unlabeled"
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
         self.dataset_name = key
