@@ -115,8 +115,13 @@ def solve_stationary(matrix: Tensor) -> Tensor:
     when :math:`S \\approx I`."""
     k = matrix.shape[0]
     system = matrix - torch.eye(k, dtype=matrix.dtype) + 1.0
-    beta = torch.linalg.solve(system, torch.ones(k, dtype=matrix.dtype))
-    return beta.clamp(min=0.0) / beta.clamp(min=0.0).sum()
+    beta, info = torch.linalg.solve_ex(system, torch.ones(k, dtype=matrix.dtype))
+    beta = beta.clamp(min=0.0)
+    if int(info) != 0 or not bool(torch.isfinite(beta).all()) or float(beta.sum()) <= 0:
+        # eigenvalue 1 is not simple (e.g. S = I for hard posteriors): beta = S beta has many
+        # solutions; power iteration picks the one reached from uniform
+        return power_iteration(matrix, 1e-12)
+    return beta / beta.sum()
 
 
 def _newton_sums(source: LogitSource, gamma: Tensor) -> Tensor:

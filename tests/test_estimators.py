@@ -123,6 +123,12 @@ def test_literal_algorithm_2_drifts_and_oracle_does_not():
     assert float((oracle - world.prior).abs().sum()) < 0.05
 
 
+def test_oracle_with_identity_class_matrix_is_uniform():
+    logits = torch.tensor([[50.0, -50.0], [-50.0, 50.0], [60.0, -60.0]], dtype=torch.float64)
+    beta = frolic_tta.estimate_label_bias(logits, labels=torch.tensor([0, 1, 0]))
+    torch.testing.assert_close(beta, torch.full((2,), 0.5, dtype=torch.float64))
+
+
 def test_default_bias_does_not_hurt_without_bias():
     world = prior_shift_world(num_samples=20000, separation=0.5, ratio=1.0, seed=4)
     beta = frolic_tta.estimate_label_bias(world.logits)
