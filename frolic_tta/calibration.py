@@ -29,22 +29,32 @@ from frolic_tta.streams import LogitSource, ReduceFn, as_source, identity_reduce
 
 
 def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
-    """``[N, sum_i pmax_i, sum_i d pmax_i / d ln tau]`` of the local shard, float64."""
-    total = torch.zeros(3, dtype=torch.float64)
+    """``[N, sum_i pmax_i, sum_i d pmax_i / d ln tau, sum_i (max_j f_ij - mean_j f_ij)]`` of
+    the local shard, float64 (the last entry, the logit spread, gives a first guess)."""
+    total = torch.zeros(4, dtype=torch.float64)
     for _, logits in source.chunks():
-        scaled = logits / temperature
-        probs = torch.softmax(scaled, dim=1)
+        probs = torch.softmax(logits / temperature, dim=1)
         top, arg = probs.max(dim=1)
         top_logit = logits.gather(1, arg[:, None]).squeeze(1)
         expected = (probs * logits).sum(1)
         slope = -top * (top_logit - expected) / temperature
+        margin = logits.max(1).values - logits.mean(1)
         total += torch.stack(
             [
                 torch.tensor(float(logits.shape[0]), dtype=torch.float64),
                 top.sum(dtype=torch.float64).cpu(),
                 slope.sum(dtype=torch.float64).cpu(),
+                margin.sum(dtype=torch.float64).cpu(),
             ]
         )
+    return total
+
+
+def _margin_sum(source: LogitSource) -> Tensor:
+    """``[sum_i (max_j f_ij - mean_j f_ij)]`` of the local shard, float64."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for _, logits in source.chunks():
+        total += float((logits.max(1).values - logits.mean(1)).sum(dtype=torch.float64))
     return total
 
 
@@ -61,16 +71,6 @@ def confidence(
     reduce_fn = reduce_fn or identity_reduce
     sums = reduce_fn(_confidence_sums(as_source(logits), temperature))
     return float(sums[1] / sums[0])
-
-
-def _mean_margin_sums(source: LogitSource) -> Tensor:
-    """``[N, sum_i (max_j f_ij - mean_j f_ij)]``: the typical logit spread, for a first guess."""
-    total = torch.zeros(2, dtype=torch.float64)
-    for _, logits in source.chunks():
-        margin = logits.max(1).values - logits.mean(1)
-        total[0] += logits.shape[0]
-        total[1] += float(margin.sum(dtype=torch.float64))
-    return total
 
 
 def match_temperature(
@@ -110,22 +110,12 @@ def match_temperature(
             "Expected `gda_logits` and `zero_shot_logits` to have the same number of classes, "
             f"but got {gda.num_classes} and {zero_shot.num_classes}"
         )
-    # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c).
-    first = reduce_fn(
-        torch.cat(
-            [
-                _confidence_sums(zero_shot, tau_c)[:2],
-                _mean_margin_sums(gda)[1:],
-                _mean_margin_sums(zero_shot)[1:],
-            ]
-        )
-    )
+    # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c);
+    # each source is streamed once.
+    first = reduce_fn(torch.cat([_confidence_sums(zero_shot, tau_c), _margin_sum(gda)]))
     target = float(first[1] / first[0])
-    margin_g, margin_c = float(first[2]), float(first[3])
-    if margin_g > 0 and margin_c > 0:
-        u = math.log(tau_c * margin_g / margin_c)
-    else:
-        u = math.log(tau_c)
+    margin_c, margin_g = float(first[3]), float(first[4])
+    u = math.log(tau_c * margin_g / margin_c) if margin_g > 0 and margin_c > 0 else math.log(tau_c)
     lo, hi = -math.inf, math.inf  # bracket on u: conf(lo) >= target >= conf(hi)
     best_u, best_err = u, math.inf
     polished = False

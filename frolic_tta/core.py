@@ -37,6 +37,7 @@ from frolic_tta.streams import (
     ReduceFn,
     TensorLogits,
     check_matrix,
+    chunk_rows,
     compute_dtype,
     identity_reduce,
     materialise,
@@ -216,7 +217,7 @@ def fit_frolic(
     sums: MomentSums | None = None,
     reduce_fn: ReduceFn | None = None,
     keep_logits: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> FrolicFit:
     """Run Algorithm 1 on the local shard ``features`` ``(N_local, d)``.
 
@@ -233,11 +234,18 @@ def fit_frolic(
         reduce_fn: sums a tensor over shards (identity by default).
         keep_logits: hold one ``(N_local, K)`` buffer (fast; it becomes ``FrolicFit.logits`` =
             :math:`f_d`) or recompute logits chunk by chunk (no N x K tensor at all).
-        chunk_size: rows per chunk.
+        chunk_size: rows per chunk (``None``: about 2M logits per chunk).
     """
     reduce_fn = reduce_fn or identity_reduce
-    if sums is None:
-        sums = moment_sums(features, prototypes, tau_c).reduce(reduce_fn)
+    if sums is None:  # chunk by chunk: no (N, K) float64 temporaries
+        rows = chunk_rows(prototypes.shape[0], chunk_size)
+        local = None
+        for start in range(0, features.shape[0], rows):
+            part = moment_sums(features[start : start + rows], prototypes, tau_c)
+            local = part if local is None else local + part
+        if local is None:  # an empty shard still takes part in the reduction
+            local = moment_sums(features, prototypes, tau_c)
+        sums = local.reduce(reduce_fn)
     gaussian = fit_gaussian_head(sums, prototypes, covariance, shrinkage)
     z = prototypes.to(torch.float64)
     zero_shot = LinearLogits(features, z, None, chunk_size)

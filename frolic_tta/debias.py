@@ -62,7 +62,7 @@ def _implicit(source: LogitSource, reduce_fn: ReduceFn) -> Tensor:
     total = torch.zeros(source.num_classes + 1, dtype=torch.float64)
     for _, logits in source.chunks():
         total[0] += logits.shape[0]
-        total[1:] += torch.softmax(logits, dim=1).sum(0, dtype=torch.float64).cpu()
+        total[1:] += torch.softmax(logits, dim=1).sum(0).double().cpu()
     total = reduce_fn(total)
     return total[1:] / total[0]
 
@@ -125,16 +125,23 @@ def solve_stationary(matrix: Tensor) -> Tensor:
 
 
 def _newton_sums(source: LogitSource, gamma: Tensor) -> Tensor:
-    """``[N, sum_i lse(f_i + gamma), n_1..n_K, h_1..h_K]`` of the local shard (float64)."""
+    """``[N, sum_i lse(f_i + gamma), n_1..n_K, h_1..h_K]`` of the local shard (float64).
+
+    One exponential per entry; column sums in the logits' dtype, accumulated in float64.
+    """
     k = gamma.shape[0]
     total = torch.zeros(2 * k + 2, dtype=torch.float64)
     for _, logits in source.chunks():
         shifted = logits + gamma.to(logits)
+        top = shifted.max(dim=1, keepdim=True).values
+        debiased = torch.exp_(shifted - top)
+        norm = debiased.sum(dim=1, keepdim=True)
+        debiased.div_(norm)
         total[0] += logits.shape[0]
-        total[1] += float(torch.logsumexp(shifted, dim=1).sum(dtype=torch.float64))
-        debiased = torch.softmax(shifted, dim=1)
-        total[2 : k + 2] += debiased.sum(0, dtype=torch.float64).cpu()
-        total[k + 2 :] += (debiased - debiased * debiased).sum(0, dtype=torch.float64).cpu()
+        total[1] += float((top + norm.log()).sum(dtype=torch.float64))
+        mass = debiased.sum(0)
+        total[2 : k + 2] += mass.double().cpu()
+        total[k + 2 :] += (mass - debiased.square_().sum(0)).double().cpu()
     return total
 
 

@@ -55,7 +55,7 @@ def row_heads(
     *,
     eps: float,
     reduce_fn: ReduceFn,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> dict[str, tuple[Tensor, Tensor, Tensor | None]]:
     """Every row as a linear map ``(weight (K, d), bias (K,), center (d,) or None)``.
 
@@ -99,7 +99,7 @@ def update_accuracies(
     heads: dict[str, tuple[Tensor, Tensor, Tensor | None]],
     features: Tensor,
     labels: Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> None:
     """Feed every row's predictions on the local shard into ``metrics`` (chunked)."""
     for row, (weight, bias, center) in heads.items():

@@ -79,7 +79,7 @@ class FrolicModule(L.LightningModule):
             any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
         reuse_head: score with the stored head instead of re-adapting, if one exists.
         text_batch_size: prompts per text-encoder forward.
-        chunk_size: rows per chunk in finalize.
+        chunk_size: rows per chunk in finalize (``None``: about 2M logits per chunk).
     """
 
     def __init__(
@@ -98,7 +98,7 @@ class FrolicModule(L.LightningModule):
         return_logits: bool = True,
         reuse_head: bool = False,
         text_batch_size: int = 256,
-        chunk_size: int = 8192,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -266,8 +266,8 @@ class FrolicModule(L.LightningModule):
             else:
                 logits = self.head.score(features[start : start + n])
             self._fill(output, logits)
-            probability[0] += torch.softmax(logits + log_beta, 1).sum(0, dtype=torch.float64).cpu()
-            probability[1] += torch.softmax(logits, 1).sum(0, dtype=torch.float64).cpu()
+            probability[0] += torch.softmax(logits + log_beta, 1).sum(0).double().cpu()
+            probability[1] += torch.softmax(logits, 1).sum(0).double().cpu()
             start += n
         probability = self._reduce(probability) / sums.count.cpu()
         self.class_probability_ = {"before": probability[0], "after": probability[1]}

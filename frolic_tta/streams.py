@@ -18,7 +18,19 @@ from torch import Tensor
 ReduceFn = Callable[[Tensor], Tensor]
 """Sums a tensor over all shards and returns the sum (must not be a mean)."""
 
-DEFAULT_CHUNK_SIZE = 8192
+DEFAULT_CHUNK_SIZE = None
+"""``None``: rows per chunk chosen by :func:`chunk_rows` from K."""
+CHUNK_ELEMENTS = 2**21
+
+
+def chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else about 2M logits (8 MiB in float32) so
+    temporaries stay below the caching allocator's reuse limit; at least 256 rows."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"Expected `chunk_size` >= 1, but got {chunk_size}")
+        return int(chunk_size)
+    return max(256, CHUNK_ELEMENTS // max(1, num_classes))
 
 
 def identity_reduce(tensor: Tensor) -> Tensor:
@@ -74,10 +86,10 @@ class LogitSource:
 class TensorLogits(LogitSource):
     """A materialised ``(N, K)`` logit tensor, iterated in row chunks."""
 
-    def __init__(self, logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, logits: Tensor, chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> None:
         self.logits = logits
         self.num_samples, self.num_classes = logits.shape
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_rows(self.num_classes, chunk_size)
 
     def chunks(self) -> Iterator[tuple[int, Tensor]]:
         dtype = compute_dtype(self.logits)
@@ -92,7 +104,7 @@ class LinearLogits(LogitSource):
         features: ``(N, d)`` features of the local shard.
         weight: ``(K, d)``.
         bias: ``(K,)`` or ``None``.
-        chunk_size: rows per chunk.
+        chunk_size: rows per chunk (``None``: :func:`chunk_rows`).
         center: ``(d,)`` subtracted from every row first, or ``None``.
     """
 
@@ -101,7 +113,7 @@ class LinearLogits(LogitSource):
         features: Tensor,
         weight: Tensor,
         bias: Tensor | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         center: Tensor | None = None,
     ) -> None:
         dtype = compute_dtype(features)
@@ -111,7 +123,7 @@ class LinearLogits(LogitSource):
         self.bias = None if bias is None else bias.to(device=features.device, dtype=dtype)
         self.num_samples = features.shape[0]
         self.num_classes = weight.shape[0]
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_rows(self.num_classes, chunk_size)
         self.dtype = dtype
 
     def chunks(self) -> Iterator[tuple[int, Tensor]]:
