@@ -1,0 +1,335 @@
+"""Finalize cost from features (no encoder): wall time per phase, passes over N x K, peak memory.
+
+Run: ``python benchmarks/finalize.py`` (about 7 minutes on 2 CPU cores, 4 of them the 21k case;
+``--quick``: seconds).
+Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
+
+Every case runs in a fresh subprocess so its peak memory is its own. A case does what
+``FrolicModule`` does around the encoder: one ``FrolicMoments.update`` per batch of cached
+features (the encode phase's share), then finalize: ``fit_frolic`` (head solve, tau_g search,
+beta loop, logit buffers) and filling the per-batch outputs (softmax, prediction, confidence,
+per-class probability). Phases are timed exclusively by wrapping the core's functions;
+``LogitSource.chunks`` is wrapped to count rows streamed (passes = rows / N); a
+``TorchDispatchMode`` records the largest tensor any op creates and whether a (K, K) or a full
+(N, K) tensor appeared. "Extra memory" is the peak RSS during the phases minus the RSS before
+them (features, prototypes and output placeholders already allocated, as in the module; the
+module's ``torch.cat`` of its cached feature batches is inside).
+``reference`` is a straightforward float64 implementation of the paper's algorithm (Eq. 7 with
+``torch.linalg.inv``, full N x K logits, bisection for tau_g, Algorithm 2 with hard labels and
+power iteration on a K x K matrix S), timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.probe import Probe, ShapeAudit, instrument  # noqa: E402
+
+TAU_C, EPS = 0.01, 0.01
+PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")
+
+
+def default_cases(quick: bool) -> list[dict[str, Any]]:
+    """The sweep. ``n_run`` < ``n`` means: measured at ``n_run``, N-linear phases scaled."""
+
+    def case(label: str, n: int, k: int, d: int, mode: str = "ours", **kw: Any) -> dict[str, Any]:
+        return {
+            "label": label,
+            "n": n,
+            "k": k,
+            "d": d,
+            "mode": mode,
+            "n_run": n,
+            "geometry": "imagenet-like",
+            "chunk_size": 8192,
+            "keep_logits": True,
+            **kw,
+        }
+
+    if quick:
+        return [
+            case("small", 2000, 100, 64),
+            case("small, paper options", 2000, 100, 64, "ours-paper"),
+            case("small, float64 reference", 2000, 100, 64, "reference"),
+            case("small, streaming", 2000, 1000, 64, n_run=1000, chunk_size=256, keep_logits=False),
+        ]
+    return [
+        case("sweep, K = 100", 10_000, 100, 512),
+        case("sweep, K = 1,000", 10_000, 1_000, 512),
+        case("ImageNet, ViT-B-16", 50_000, 1_000, 512),
+        case("ImageNet, ViT-B-16, paper options", 50_000, 1_000, 512, "ours-paper"),
+        case("ImageNet, ViT-B-16, float64 reference", 50_000, 1_000, 512, "reference"),
+        case("ImageNet, ViT-B-16, fit_frolic(sums=None)", 50_000, 1_000, 512, "ours-nosums"),
+        case("ImageNet, ViT-L-14", 50_000, 1_000, 768),
+        case("separable geometry", 10_000, 1_000, 512, geometry="separable"),
+        case(
+            "ImageNet-21k, streaming",
+            200_000,
+            21_841,
+            512,
+            n_run=10_000,
+            chunk_size=1024,
+            keep_logits=False,
+        ),
+    ]
+
+
+def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Probe) -> Any:
+    """What FrolicModule does around the encoder, from cached features."""
+    import frolic_tta.core as core
+    from frolic_tta.stats import FrolicMoments
+
+    n, batch = x.shape[0], case["batch_size"]
+    paper = case["mode"] == "ours-paper"
+    sums = None
+    if case["mode"] != "ours-nosums":  # the module: one update per encoded batch
+        probe.push("moments")
+        metric = FrolicMoments(z, TAU_C).to(x.device)
+        for start in range(0, n, batch):
+            metric.update(x[start : start + batch])
+        sums = metric.compute()
+        probe.rows["moments"] += n
+        probe.pop()
+    else:
+        probe.rows["moments"] += n  # moment_sums on the whole shard, inside fit_frolic
+    probe.push("scoring")  # the module's feature cache is a list of batches: concatenated
+    x = torch.cat(list(x.split(batch)))  # then fit_frolic's own work: logit buffers, fusion
+    fit = core.fit_frolic(
+        x,
+        z,
+        tau_c=TAU_C,
+        eps=EPS,
+        covariance="paper" if paper else "soft",
+        bias="paper" if paper else "soft",
+        sums=sums,
+        reduce_fn=probe.reduce,
+        keep_logits=case["keep_logits"],
+        chunk_size=case["chunk_size"],
+    )
+    # FrolicModule.finalize: fill each batch's placeholders, per-class probability
+    log_beta = torch.log(fit.head.beta).to(device=x.device, dtype=torch.float32)
+    probability = torch.zeros(2, z.shape[0], dtype=torch.float64)
+    outputs = case["outputs"]
+    for start in range(0, n, batch):
+        if fit.logits is not None:
+            logits = fit.logits[start : start + batch]
+        else:
+            logits = fit.head.score(x[start : start + batch])
+        confidence, prediction = torch.softmax(logits, 1).max(1)
+        if "logits" in outputs:
+            outputs["logits"][start : start + batch].copy_(logits.cpu())
+        outputs["prediction"][start : start + batch].copy_(prediction.cpu())
+        outputs["confidence"][start : start + batch].copy_(confidence.cpu())
+        probability[0] += torch.softmax(logits + log_beta, 1).sum(0, dtype=torch.float64).cpu()
+        probability[1] += torch.softmax(logits, 1).sum(0, dtype=torch.float64).cpu()
+    probe.rows["scoring"] += n
+    probe.reduce(probability)
+    probe.pop()
+    return fit
+
+
+def run_reference(x: torch.Tensor, z: torch.Tensor, probe: Probe) -> dict[str, Any]:
+    """The paper's algorithm, straightforwardly, in float64 with full N x K tensors."""
+    n, k = x.shape[0], z.shape[0]
+    x64, z64 = x.double(), z.double()
+
+    def conf(logits: torch.Tensor) -> float:
+        probe.rows[probe.stack[-1][0]] += n
+        return float(torch.softmax(logits, 1).max(1).values.mean())
+
+    probe.push("head solve")  # Eq. 7 and Eq. 9 with an explicit inverse
+    sigma = x64.t() @ x64 / n - z64.t() @ z64 / k
+    w = z64 @ torch.linalg.inv(sigma)
+    b = -0.5 * (w * z64).sum(1)
+    probe.pop()
+    probe.push("scoring")
+    zero_shot, gda = x64 @ z64.t(), torch.addmm(b, x64, w.t())
+    probe.rows["scoring"] += 2 * n
+    probe.pop()
+    probe.push("tau search")  # bisection on ln tau until |conf - target| <= 1e-5
+    target, lo, hi = conf(zero_shot / TAU_C), -30.0, 30.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        err = conf(gda / math.exp(mid)) - target
+        probe.calls["tau_steps"] += 1
+        if abs(err) <= 1e-5:
+            break
+        lo, hi = (mid, hi) if err > 0 else (lo, mid)
+    tau_g = math.exp(mid)
+    probe.pop()
+    probe.push("beta loop")  # Algorithm 2: hard labels, S (K x K), power iteration
+    fused = gda / tau_g + zero_shot / TAU_C
+    probs = torch.softmax(fused, 1)
+    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    for _ in range(100):
+        probe.calls["beta_steps"] += 1
+        labels = (fused - torch.log(beta.clamp(min=1e-12))).argmax(1)
+        s = torch.zeros(k, k, dtype=torch.float64).index_add_(1, labels, probs.t())
+        counts = torch.bincount(labels, minlength=k).double()
+        s = torch.where(counts > 0, s / counts.clamp(min=1), torch.full_like(s, 1.0 / k))
+        new = torch.full((k,), 1.0 / k, dtype=torch.float64)
+        for _ in range(10_000):
+            probe.calls["power_iterations"] += 1
+            step = s @ new
+            step = step / step.sum()
+            done = float((step - new).abs().sum()) < EPS
+            new = step
+            if done:
+                break
+        change = float((new - beta).abs().sum())
+        beta = new
+        if change < EPS:
+            break
+    probe.rows["beta loop"] += n * (1 + probe.calls["beta_steps"])
+    probe.pop()
+    probe.push("scoring")
+    debiased = fused - torch.log(beta.clamp(min=1e-12))
+    confidence, prediction = torch.softmax(debiased, 1).max(1)
+    probe.rows["scoring"] += n
+    probe.pop()
+    return {"tau_g": tau_g, "beta": beta, "prediction": prediction}
+
+
+def worker(case: dict[str, Any]) -> dict[str, Any]:
+    """One case in this (fresh) process; returns the measurements."""
+    device = torch.device(case["device"])
+    n, k, d = case["n_run"], case["k"], case["d"]
+    x, z, labels = common.clip_like(n, k, d, case["geometry"])
+    x, z = x.to(device), z.to(device)
+    outputs: dict[str, torch.Tensor] = {  # the module's placeholders, allocated while encoding
+        "prediction": torch.full((n,), -1, dtype=torch.long),
+        "confidence": torch.full((n,), float("nan")),
+    }
+    if case["keep_logits"] and case["mode"] != "reference":
+        outputs["logits"] = torch.full((n, k), float("nan"))
+    case = {**case, "outputs": outputs}
+    probe = Probe(device)
+    if case["mode"] != "reference":
+        instrument(probe)
+    audit = ShapeAudit(n, k)
+    with ShapeAudit(1, 1):  # the first use of a dispatch mode costs about a second
+        torch.ones(2, 2) @ torch.ones(2, 2)
+    probe.start_memory()
+    cpu0, t0 = common.cpu_seconds(), common.now()
+    with audit:
+        fit = (
+            run_reference(x, z, probe)
+            if case["mode"] == "reference"
+            else run_ours(x, z, case, probe)
+        )
+    common.sync(device)
+    wall = common.now() - t0
+    cpu = common.cpu_seconds() - cpu0
+    probe._mark()
+    extra = max(probe.peaks.values())
+    if isinstance(fit, dict):
+        tau_g, beta, prediction = fit["tau_g"], fit["beta"], fit["prediction"].cpu()
+    else:
+        tau_g, beta, prediction = fit.head.tau_g, fit.head.beta, outputs["prediction"]
+    zero_shot = torch.cat([(x[i : i + 8192] @ z.t()).argmax(1).cpu() for i in range(0, n, 8192)])
+    seconds = {p: probe.seconds.get(p, 0.0) for p in PHASES}
+    return {
+        "wall_s": wall,
+        "finalize_s": wall - seconds["moments"],
+        "seconds": seconds,
+        "unattributed_s": wall - sum(seconds.values()),
+        "passes": {p: probe.rows.get(p, 0) / n for p in PHASES},
+        "passes_total": sum(probe.rows.values()) / n,
+        "tau_steps": probe.calls["tau_steps"],
+        "beta_steps": probe.calls["beta_steps"],
+        "power_iterations": probe.calls["power_iterations"],
+        "reduce_calls": probe.calls["reduce_fn"],
+        "extra_mib": extra,
+        "extra_mib_by_phase": {p: probe.peaks.get(p, 0.0) for p in PHASES},
+        "baseline_mib": probe.base,
+        "cpu_utilisation": cpu / wall,
+        "largest_tensor": list(audit.largest),
+        "kxk_tensor": audit.kxk,
+        "full_nxk_tensor": audit.nxk,
+        "nxk_float32_mib": n * k * 4 / 2**20,
+        "kxk_float64_mib": k * k * 8 / 2**20,
+        "tau_g": tau_g,
+        "beta_max_over_min": float(beta.max() / beta.min()),
+        "acc_zero_shot": float((zero_shot == labels).double().mean()),
+        "acc_frolic": float((prediction == labels).double().mean()),
+    }
+
+
+def scale(result: dict[str, Any], factor: float) -> dict[str, Any]:
+    """Extrapolate a run at N_run to N = factor N_run: every phase but the head solve is
+    linear in N (same iteration counts assumed); memory is chunk-bound when streaming."""
+    seconds = {p: s * (1.0 if p == "head solve" else factor) for p, s in result["seconds"].items()}
+    total = sum(seconds.values())
+    return {"wall_s": total, "finalize_s": total - seconds["moments"], "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--batch-size", type=int, default=256, help="module batch size")
+    parser.add_argument(
+        "--n21k",
+        type=int,
+        default=None,
+        help="N actually run for the 21k case (default 10,000; 200,000 = full, ~1 h)",
+    )
+    parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    info = common.machine_info(args.device)
+    name = (
+        "finalize" + ("_quick" if args.quick else "") + ("_cuda" if "cuda" in args.device else "")
+    )
+    cases = default_cases(args.quick)
+    previous = {e["case"]["label"]: e for e in (common.read_result(name) or {}).get("cases", [])}
+    done = {}
+    for case in cases:
+        if args.only and args.only not in case["label"]:
+            continue
+        if args.n21k and "21k" in case["label"]:
+            case["n_run"] = args.n21k
+        case.update(device=args.device, batch_size=args.batch_size)
+        result = common.run_json_worker(["benchmarks/finalize.py", "--worker", json.dumps(case)])
+        result["date"] = common.machine_info(args.device)["date"]
+        if case["n_run"] != case["n"]:
+            result["extrapolated"] = scale(result, case["n"] / case["n_run"])
+        done[case["label"]] = {"case": case, "result": result}
+        print(f"{case['label']}: {json.dumps(result)[:200]}...", flush=True)
+    # --only: keep the other cases of the previous run
+    results = [done.get(c["label"], previous.get(c["label"])) for c in cases]
+    results = [r for r in results if r is not None]
+    for entry in results:
+        same = [
+            r for r in results
+            if r["case"]["mode"] == "reference"
+            and all(r["case"][f] == entry["case"][f] for f in "nkd")
+        ]  # fmt: skip
+        if same and entry["case"]["mode"] != "reference":
+            entry["result"]["speedup_vs_reference"] = (
+                same[0]["result"]["finalize_s"] / entry["result"]["finalize_s"]
+            )
+    if args.only:
+        info["rerun_only"] = args.only
+    payload = {"machine": common.finish_info(info), "cases": results}
+    from benchmarks.report import finalize_section
+
+    print(finalize_section(payload))
+    print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

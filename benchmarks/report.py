@@ -1,0 +1,402 @@
+"""Regenerate the README's benchmark section from ``benchmarks/results/*.json``.
+
+Run: ``python benchmarks/report.py`` (rewrites README.md between ``<!-- benchmarks:start -->``
+and ``<!-- benchmarks:end -->`` only); ``--check`` exits 1 if the README is out of date.
+The scripts print the same tables: ``overhead.py``, ``finalize.py``, ``ddp.py``,
+``accuracy.py`` (each ``--quick`` for a smoke run, whose ``*_quick.json`` is not reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, fmt, markdown_table, read_result  # noqa: E402
+
+START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")
+GOAL_FINALIZE_S, GOAL_EXTRA_MIB, GOAL_RATIO = 3.0, 1024.0, 1.02
+NOT_RUN = "_not run yet: `{}`_"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def machine(m: dict[str, Any]) -> str:
+    busy = [m.get("cpu_busy_at_start"), m.get("cpu_busy_at_end")]
+    shares = " / ".join("?" if b is None else f"{b:.0%}" for b in busy)
+    state = (
+        f"**busy**: other processes used {shares} of the cores just before / after the run"
+        if m["busy_at_start"] or m.get("busy_at_end")
+        else f"idle (other processes: {shares} of the cores before / after)"
+    )
+    gpu = f", {m['gpu']}" if "gpu" in m else ""
+    return (
+        f"{m['cpu']}, {m['cores']} cores{gpu}; torch {m['torch']}, Lightning {m['lightning']}, "
+        f"open_clip {m['open_clip']}; {m['date']}, commit {m['commit']}; {state}"
+    )
+
+
+def find(payload: dict[str, Any] | None, label: str) -> dict[str, Any] | None:
+    for entry in (payload or {}).get("cases", []):
+        if entry["case"]["label"] == label:
+            return entry
+    return None
+
+
+# ---------------------------------------------------------------- 1. overhead
+def at_imagenet(p: dict[str, Any], fin: dict[str, Any] | None) -> dict[str, Any]:
+    """The 50,000-image extrapolation, with the current finalize.json's ImageNet finalize when
+    there is one (else the value stored by overhead.py)."""
+    big = dict(p["imagenet"])
+    entry = find(fin, "ImageNet, ViT-B-16")
+    if entry is not None:
+        moments = p["moments_s_per_image"] * big["n"]
+        big["finalize_s"] = entry["result"]["finalize_s"]
+        big["finalize_source"] = f"finalize.json, {entry['result']['date']}"
+        big["frolic_s"] = big["zero_shot_s"] + moments + big["finalize_s"]
+        big["ratio"] = big["frolic_s"] / big["zero_shot_s"]
+        big["finalize_budget_s"] = (GOAL_RATIO - 1) * big["zero_shot_s"] - moments
+    return big
+
+
+def overhead_section(
+    p: dict[str, Any] | None, gpu: dict[str, Any] | None = None, fin: dict[str, Any] | None = None
+) -> str:
+    if p is None:
+        return NOT_RUN.format("python benchmarks/overhead.py")
+    c, big = p["config"], at_imagenet(p, fin)
+    spread = max((max(w) - min(w)) / sorted(w)[len(w) // 2] for w in p["wall_s"].values())
+    rows = [
+        [
+            f"CPU, measured, N = {c['n']}",
+            p["median_s"]["zero-shot"],
+            p["median_s"]["frolic"],
+            p["ratio_measured"],
+            p["encoder_passes_per_image"]["frolic"],
+            p["frolic_finalize_s"],
+        ],
+        [
+            "CPU, ImageNet N = 50,000 (extrapolated)",
+            big["zero_shot_s"],
+            big["frolic_s"],
+            big["ratio"],
+            p["encoder_passes_per_image"]["frolic"],
+            big["finalize_s"],
+        ],
+    ]
+    if gpu is None:
+        rows.append(["GPU, ViT-B-16, 16-mixed", "not measured", "", "", "", ""])
+    else:
+        g = gpu["imagenet"]
+        rows += [
+            [f"GPU, measured, N = {gpu['config']['n']}", gpu["median_s"]["zero-shot"],
+             gpu["median_s"]["frolic"], gpu["ratio_measured"],
+             gpu["encoder_passes_per_image"]["frolic"], gpu["frolic_finalize_s"]],
+            ["GPU, ImageNet (extrapolated)", g["zero_shot_s"], g["frolic_s"], g["ratio"],
+             gpu["encoder_passes_per_image"]["frolic"], g["finalize_s"]],
+        ]  # fmt: skip
+    headers = ["", "zero-shot s", "Frolic s", "ratio", "encoder passes / image", "finalize s"]
+    return "\n".join(
+        [
+            f"{c['model']} (`pretrained=None`), generated 224-px images in memory, batch "
+            f"{c['batch_size']}, K = {c['classes']}, precision {c['precision']}, median of "
+            f"{c['repeats']} alternating runs each; the prompts ({c['classes']} classes, "
+            f"{fmt(p['prompt_encoding_s'])} s) are encoded once for both and not counted.",
+            "",
+            markdown_table(headers, rows),
+            "",
+            "Runs (s): "
+            + "; ".join(f"{k} " + ", ".join(fmt(v) for v in w) for k, w in p["wall_s"].items())
+            + f"; run-to-run spread up to {spread:.0%} of the median, larger than the "
+            "difference measured at this N, hence the extrapolation from per-image costs. "
+            f"Per image: encode {fmt(p['encode_s_per_image'] * 1e3)} ms, Frolic's moment update "
+            f"{fmt(p['moments_s_per_image'] * 1e3)} ms. ImageNet = 50,000 × encode + 50,000 × "
+            f"moments + the finalize measured at 50,000 × 1,000 × 512 "
+            f"({big['finalize_source']}). Goal ratio ≤ {GOAL_RATIO} at ImageNet scale: "
+            f"{verdict(big['ratio'] <= GOAL_RATIO)} ({big['ratio']:.4f}); on this machine "
+            f"finalize could take up to {fmt(big['finalize_budget_s'])} s before it is missed.",
+            "",
+            f"Machine: {machine(p['machine'])}.",
+        ]
+    )
+
+
+# ---------------------------------------------------------------- 2. finalize
+def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
+    if p is None:
+        return NOT_RUN.format("python benchmarks/finalize.py")
+    rows = []
+    for entry in p["cases"]:
+        case, r = entry["case"], entry["result"]
+        shown = r.get("extrapolated", r)
+        label = case["label"]
+        if case["n_run"] != case["n"]:
+            label += f" (run at N = {case['n_run']:,}) *"
+        rows.append(
+            [
+                label,
+                f"{case['n']:,} × {case['k']:,} × {case['d']}",
+                *[shown["seconds"][ph] for ph in PHASES],
+                shown["finalize_s"],
+                f"{r['passes_total']:.0f}",
+                f"{r['tau_steps']} / {r['beta_steps']}",
+                r["extra_mib"],
+                f"{fmt(r['kxk_tensor'])} / {fmt(r['full_nxk_tensor'])}",
+                f"{r['acc_zero_shot']:.3f} → {r['acc_frolic']:.3f}",
+                r.get("speedup_vs_reference"),
+                r["cpu_utilisation"],
+            ]
+        )
+    if gpu_row:
+        rows.append(["GPU, ImageNet sizes", "", "not measured", *[""] * 12])
+    headers = [
+        "case", "N × K × d", "moments s", "head solve s", "τ search s", "β loop s", "scoring s",
+        "finalize s", "passes over N×K", "τ / β steps", "extra MiB", "K×K / full N×K",
+        "acc f_c → f_d", "× faster than reference", "cores used",
+    ]  # fmt: skip
+    lines = [markdown_table(headers, rows), ""]
+    lines.append(
+        "finalize = everything after the last encoder batch (head solve, τ search, β loop, "
+        "scoring = logit buffers + filling the outputs); moments are accumulated per batch "
+        "during encoding and listed separately. Passes count rows streamed through the logits "
+        "(N per pass); extra MiB is the peak RSS above the features, prototypes and output "
+        "placeholders; K×K / full N×K: whether any torch op created such a tensor "
+        "(`TorchDispatchMode` audit). * N-linear phases scaled from the run's N, same "
+        "iteration counts assumed. cores used = CPU time / wall time of the case (2 = both "
+        "cores were ours)."
+    )
+    capped = [e["case"]["label"] for e in p["cases"] if e["result"]["beta_steps"] >= 100]
+    if capped:
+        lines.append(
+            "Stopped at the 100-iteration cap of the β loop without reaching ε: "
+            + ", ".join(capped)
+            + " (Algorithm 2's hard pseudo-labels oscillate)."
+        )
+    imagenet = find(p, "ImageNet, ViT-B-16")
+    if imagenet:
+        r = imagenet["result"]
+        lines += [
+            "",
+            f"Goals at ImageNet scale (50,000 × 1,000 × 512): finalize ≤ {GOAL_FINALIZE_S:g} s "
+            f"{verdict(r['finalize_s'] <= GOAL_FINALIZE_S)} ({fmt(r['finalize_s'])} s); "
+            f"≤ 1 GB extra {verdict(r['extra_mib'] <= GOAL_EXTRA_MIB)} "
+            f"({fmt(r['extra_mib'])} MiB, of which the one N×K float32 logit buffer is "
+            f"{fmt(r['nxk_float32_mib'])} MiB).",
+        ]
+    big = next((e for e in p["cases"] if "21k" in e["case"]["label"]), None)
+    if big:
+        r = big["result"]
+        free = not r["kxk_tensor"] and not r["full_nxk_tensor"]
+        lines.append(
+            f"21k case without any K×K or full N×K tensor: {verdict(free)} (largest tensor "
+            f"{' × '.join(f'{v:,}' for v in r['largest_tensor'])}; a K×K float64 would be "
+            f"{fmt(r['kxk_float64_mib'])} MiB, the full N×K float32 at N = 200,000 "
+            f"{fmt(r['nxk_float32_mib'] * big['case']['n'] / big['case']['n_run'])} MiB)."
+        )
+    rerun = p["machine"].get("rerun_only")
+    note = f" (last run: `--only {rerun!r}`; the other cases are older, see `date` per case)"
+    lines += ["", f"Machine: {machine(p['machine'])}{note if rerun else ''}."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- 3. DDP
+def ddp_section(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return NOT_RUN.format("python benchmarks/ddp.py")
+    c, cmp = p["config"], p["comparison"]
+    rows = [
+        [f"{d} process{'es' if d == '2' else ''}", r["loop_s"], r["predict_s"], r["process_s"]]
+        for d, r in p["runs"].items()
+    ]
+    headers = ["CPU run", "predict loop s", "trainer.predict s", "whole process s"]
+    identical = cmp["prediction_agreement"] == 1.0
+    return "\n".join(
+        [
+            f"Small open_clip ViT (embed 64, 64 px, 4 layers), N = {c['n']:,} generated "
+            f"labelled images, batch {c['batch_size']}, K = {c['classes']}; 1 process with 2 "
+            'threads vs `strategy="ddp"` with 2 processes of 1 thread (same 2 cores).',
+            "",
+            markdown_table(headers, rows),
+            "",
+            f"Identical predictions: {verdict(identical)} "
+            f"({cmp['prediction_agreement']:.4%} agree); max |Δ logits| "
+            f"{cmp['max_abs_logit_diff']:.2e} ({cmp['relative_logit_diff']:.1e} of the largest "
+            f"logit); τ_g relative difference {cmp['tau_g_relative_diff']:.1e}; max |Δβ| "
+            f"{cmp['beta_max_abs_diff']:.1e}; all {cmp['accuracies_compared']} Table 3/4 "
+            f"accuracies equal to within {cmp['max_accuracy_diff']:.1e}; encoder passes per "
+            f"image {cmp['encoder_passes_per_image'][0]:g} and "
+            f"{cmp['encoder_passes_per_image'][1]:g}; every index exactly once. The logits differ "
+            "in float32 rounding only (open_clip's output depends on which images share a "
+            "batch). predict loop = `on_predict_start` (after a barrier) to `on_predict_end`; "
+            "trainer.predict also launches rank 1 and sets up the process group.",
+            "",
+            f"Machine: {machine(p['machine'])}.",
+        ]
+    )
+
+
+# ---------------------------------------------------------------- 4. accuracy
+def accuracy_section(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return NOT_RUN.format("python benchmarks/accuracy.py")
+    worlds = p["worlds"]
+    rows_order = list(next(iter(worlds.values()))["rows"]["default"])
+    headers = ["row"] + [f"{w}: default / paper" for w in worlds]
+
+    def value(stat: dict[str, Any]) -> str:
+        if stat["mean"] is None:
+            return "error"
+        return fmt(stat["mean"]) + (f" ({stat['failed']} seeds: error)" if stat["failed"] else "")
+
+    def cell(w: dict[str, Any], row: str) -> str:
+        return f"{value(w['rows']['default'][row])} / {value(w['rows']['paper'][row])}"
+
+    rows = [[row] + [cell(w, row) for w in worlds.values()] for row in rows_order]
+    rows.append(["supervised LDA"] + [fmt(w["lda"]["mean"]) for w in worlds.values()])
+    rows.append(
+        ["Bayes"] + [fmt(w["bayes"]["mean"]) if "bayes" in w else "–" for w in worlds.values()]
+    )  # noqa: E501
+    bias = worlds["prop2"]["bias"]
+    bias_rows = [[m, v["accuracy"]["mean"], v["l1_to_truth"]["mean"]] for m, v in bias.items()]
+    warned = sorted({w.split(":")[0] + " in " + name for name, v in worlds.items()
+                     for w in v["warnings"]})  # fmt: skip
+    return "\n".join(
+        [
+            f'Mean over {len(p["seeds"])} seeds; default = `covariance="soft", bias="soft"`, '
+            'paper = `covariance="paper", bias="paper"`. Worlds: '
+            + "; ".join(f"{n}: {w['description']}" for n, w in worlds.items())
+            + ". LDA is supervised and fit on the evaluation data (an upper bound).",
+            "",
+            markdown_table(headers, rows),
+            "",
+            "Proposition 2's biased logits, label-bias loops alone (β* known):",
+            "",
+            markdown_table(["β method", "accuracy", "‖β̂ − β*‖₁"], bias_rows),
+            "",
+            "Runs that raised or warned (details in `benchmarks/results/accuracy.json`): "
+            + (", ".join(warned) if warned else "none")
+            + ".",
+            "",
+            f"Machine: {machine(p['machine'])}.",
+        ]
+    )
+
+
+# ---------------------------------------------------------------- closing note
+def limits_note(over: dict[str, Any] | None, fin: dict[str, Any] | None) -> str:
+    notes = []
+    imagenet = find(fin, "ImageNet, ViT-B-16")
+    if imagenet:
+        r = imagenet["result"]
+        finalize_phases = {ph: r["seconds"][ph] for ph in PHASES if ph != "moments"}
+        top = max(finalize_phases, key=finalize_phases.get)  # type: ignore[arg-type]
+        per_pass = r["finalize_s"] / max(r["passes_total"] - r["passes"]["moments"], 1)
+        notes.append(
+            f"Finalize at ImageNet scale ({fmt(r['finalize_s'])} s"
+            + (
+                f", above the {GOAL_FINALIZE_S:g} s goal"
+                if r["finalize_s"] > GOAL_FINALIZE_S
+                else ""
+            )
+            + ") is bound by passes over the 50,000 × 1,000 logits: "
+            f"{r['passes_total'] - r['passes']['moments']:.0f} passes at ≈ {fmt(per_pass)} s each "
+            f"on this machine; the largest phase is the {top} ({fmt(finalize_phases[top])} s, "
+            f"{r['beta_steps']} β steps, {r['tau_steps']} τ steps)."
+        )
+    big = next((e for e in (fin or {}).get("cases", []) if "21k" in e["case"]["label"]), None)
+    if big:
+        r, c = big["result"], big["case"]
+        notes.append(
+            f"The 21k case streams {r['passes_total']:.0f} passes, each a 200,000 × 512 × 21,841 "
+            f"matmul plus softmaxes: ≈ {fmt(r['extrapolated']['finalize_s'] / 60)} min on 2 "
+            f"cores (extrapolated from N = {c['n_run']:,}; with {c['n_run'] / c['k']:.2g} "
+            "samples per class there, the iteration counts at N = 200,000 may differ: "
+            "`python benchmarks/finalize.py --only 21k --n21k 200000` measures them)."
+        )
+    if over:
+        big = at_imagenet(over, fin)
+        share = big["finalize_s"] / big["zero_shot_s"]
+        notes.append(
+            f"End to end, the encoder dominates on CPU ({fmt(over['encode_s_per_image'] * 1e3)} "
+            f"ms/image), so finalize adds {share:.2%} at ImageNet scale."
+        )
+    busy = [
+        p["machine"]
+        for p in (over, fin)
+        if p and (p["machine"]["busy_at_start"] or p["machine"].get("busy_at_end"))
+    ]
+    if busy:
+        notes.append(
+            "Timings marked busy were taken while another process used the same cores: they "
+            "are upper bounds (see `cpu_utilisation` per case in the JSON)."
+        )
+    return "**What limits it.** " + " ".join(notes) if notes else ""
+
+
+def section(suffix: str = "") -> str:
+    over, fin = read_result("overhead" + suffix), read_result("finalize" + suffix)
+    fin_gpu = read_result("finalize_cuda")
+    parts = [
+        "## Benchmarks",
+        "",
+        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; each "
+        "script prints its table and writes its JSON (`--quick` for a smoke run):",
+        "",
+        "```bash",
+        "python benchmarks/overhead.py    # 1. Frolic vs zero-shot, end to end (ViT-B-16)",
+        "python benchmarks/finalize.py    # 2. finalize cost from features, incl. 21k classes",
+        "python benchmarks/ddp.py         # 3. 1 vs 2 processes (DDP on CPU)",
+        "python benchmarks/accuracy.py    # 4. accuracy against known truth",
+        "python benchmarks/report.py      # this section",
+        "# GPU: --device cuda (and --precision 16-mixed for overhead.py) -> *_cuda.json",
+        "```",
+        "",
+        "### 1. Overhead against zero-shot",
+        "",
+        overhead_section(over, read_result("overhead_cuda"), fin),
+        "",
+        "### 2. Finalize cost (from features)",
+        "",
+        finalize_section(fin, gpu_row=fin_gpu is None),
+        "",
+        *(["GPU:", "", finalize_section(fin_gpu), ""] if fin_gpu else []),
+        "### 3. DDP: 1 vs 2 processes",
+        "",
+        ddp_section(read_result("ddp" + suffix)),
+        "",
+        "### 4. Accuracy against known truth",
+        "",
+        accuracy_section(read_result("accuracy" + suffix)),
+        "",
+        limits_note(over, fin),
+    ]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README is out of date")
+    parser.add_argument("--quick", action="store_true", help="print from *_quick.json only")
+    args = parser.parse_args()
+    if args.quick:
+        print(section("_quick"))
+        return
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{START}\n{section()}{END}{tail}"
+    if args.check:
+        sys.exit(0 if new == text else 1)
+    readme.write_text(new)
+    print(f"rewrote the benchmarks section of {readme.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
