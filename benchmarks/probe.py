@@ -137,8 +137,7 @@ def instrument(probe: Probe) -> None:
     core.match_temperature = probe.phase("tau search", core.match_temperature)
     core.estimate_label_bias = probe.phase("beta loop", core.estimate_label_bias)
     calibration._confidence_sums = probe.counted("tau_steps", calibration._confidence_sums)
-    # one call per beta step, whichever loop the core has (names of its private helpers)
-    for name in ("_soft_step", "_newton_sums", "_hard_class_matrix"):
+    for name in ("_newton_sums", "_hard_class_matrix"):  # one call per beta step
         if hasattr(debias, name):
             setattr(debias, name, probe.counted("beta_steps", getattr(debias, name)))
     debias.power_iteration = probe.counted("power_iterations", debias.power_iteration)
