@@ -1,9 +1,9 @@
 """Frolic from the command line: ``python train.py predict --config configs/eurosat_vit_b16.yaml``.
 
-A thin entry to :class:`frolic_tta.cli.FrolicCLI` (a LightningCLI); see ``--help``.
+A thin entry to :class:`frolic_tta.lightning.cli.FrolicCLI` (a LightningCLI); see ``--help``.
 """
 
-from frolic_tta.cli import main
+from frolic_tta.lightning.cli import main
 
 if __name__ == "__main__":
     main()

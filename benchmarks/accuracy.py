@@ -23,28 +23,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import frolic_tta
+from frolic_tta import ROWS, accuracy
+from frolic_tta.synthetic import World, clip_world, paper_world, prior_shift_world
 
-import frolic_tta  # noqa: E402
-from benchmarks import common  # noqa: E402
-from frolic_tta.synthetic import World, clip_world, paper_world, prior_shift_world  # noqa: E402
-
-ROWS = ("f_c", "f_c - ln beta", "f_g", "f_c + f_g", "f_f", "f_d", "tde", "implicit", "oracle")
 OPTIONS = {"default": {}, "paper": {"covariance": "paper", "bias": "paper"}}
 BIAS_METHODS = ("none", "paper", "implicit", "soft", "oracle")
-
-
-def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((logits.argmax(1) == labels).double().mean())
 
 
 def lda_accuracy(features: torch.Tensor, labels: torch.Tensor) -> float:
@@ -178,7 +170,7 @@ def main() -> None:
         print(f"{name}: done", flush=True)
     payload = {"machine": common.finish_info(info), "seeds": list(seeds), "worlds": results}
     name = "accuracy_quick" if args.quick else "accuracy"
-    from benchmarks.report import accuracy_section
+    from report import accuracy_section
 
     print(accuracy_section(payload))
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")

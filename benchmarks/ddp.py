@@ -19,20 +19,18 @@ import argparse
 import json
 import logging
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 for _name in ("lightning.pytorch", "lightning.fabric"):  # no start-up banners in the tables
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-from benchmarks import common  # noqa: E402
 
 SMALL_CLIP = {
     "embed_dim": 64,
@@ -211,7 +209,7 @@ def main() -> None:
         "comparison": comparison,
     }
     name = "ddp_quick" if args.quick else "ddp"
-    from benchmarks.report import ddp_section
+    from report import ddp_section
 
     print(ddp_section(payload))
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")

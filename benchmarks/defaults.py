@@ -26,15 +26,13 @@ from pathlib import Path
 import torch
 
 import frolic_tta
+from frolic_tta import accuracy
 from frolic_tta.calibration import match_temperature
 from frolic_tta.gda import moment_sums, oas_shrinkage, shared_covariance, shrink
 from frolic_tta.synthetic import clip_world, paper_world, prior_shift_world
 
 RESULTS = Path(__file__).parent / "results"
 
-
-def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((logits.argmax(1) == labels).double().mean())
 
 
 def head_for(candidate: str, features: torch.Tensor, prototypes: torch.Tensor):

@@ -24,16 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common  # noqa: E402
-from benchmarks.probe import Probe, ShapeAudit, instrument  # noqa: E402
+from probe import Probe, ShapeAudit, instrument
 
 TAU_C, EPS = 0.01, 0.01
 PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")
@@ -86,8 +81,8 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
 
 def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Probe) -> Any:
     """What FrolicModule does around the encoder, from cached features."""
-    import frolic_tta.core as core
-    from frolic_tta.stats import FrolicMoments
+    import frolic_tta.pipeline as core
+    from frolic_tta.metrics import FrolicMoments
 
     n, batch = x.shape[0], case["batch_size"]
     paper = case["mode"] == "ours-paper"
@@ -325,7 +320,7 @@ def main() -> None:
     if args.only:
         info["rerun_only"] = args.only
     payload = {"machine": common.finish_info(info), "cases": results}
-    from benchmarks.report import finalize_section
+    from report import finalize_section
 
     print(finalize_section(payload))
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")

@@ -21,21 +21,19 @@ import argparse
 import json
 import logging
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
+import common
 import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frolic_tta import FrolicModule
+
 for _name in ("lightning.pytorch", "lightning.fabric"):  # no start-up banners in the tables
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-from benchmarks import common  # noqa: E402
-from frolic_tta import FrolicModule  # noqa: E402
 
 IMAGENET_N = 50_000
 GOAL_RATIO = 1.02
@@ -120,7 +118,7 @@ def predict(module: FrolicModule, loader: DataLoader, args: argparse.Namespace) 
 def imagenet_finalize(device: str, quick: bool) -> dict[str, Any]:
     """The 50,000 x 1,000 x 512 case of finalize.py: from its JSON, else measured now
     (``quick``: measured at N = 5,000 and scaled by 10, for a smoke run only)."""
-    from benchmarks.finalize import default_cases
+    from finalize import default_cases
 
     saved = common.read_result("finalize_cuda" if device.startswith("cuda") else "finalize")
     for entry in (saved or {}).get("cases", []):
@@ -211,7 +209,7 @@ def main() -> None:
     }
     suffix = ("_quick" if args.quick else "") + ("_cuda" if "cuda" in args.device else "")
     payload = {"machine": common.finish_info(info), **result}
-    from benchmarks.report import overhead_section
+    from report import overhead_section
 
     print(overhead_section(payload))
     print(f"wrote {common.write_result('overhead' + suffix, payload).relative_to(common.ROOT)}")

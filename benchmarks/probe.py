@@ -14,11 +14,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import common
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from benchmarks import common
 
 
 class ShapeAudit(TorchDispatchMode):
@@ -128,9 +127,9 @@ class Probe:
 def instrument(probe: Probe) -> None:
     """Patch the core (this worker process only) to time phases and count passes."""
     import frolic_tta.calibration as calibration
-    import frolic_tta.core as core
     import frolic_tta.debias as debias
-    import frolic_tta.streams as streams
+    import frolic_tta.logits as streams
+    import frolic_tta.pipeline as core
 
     core.moment_sums = probe.phase("moments", core.moment_sums)
     core.fit_gaussian_head = probe.phase("head solve", core.fit_gaussian_head)

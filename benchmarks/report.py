@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import ROOT, fmt, markdown_table, read_result  # noqa: E402
+from common import ROOT, fmt, markdown_table, read_result
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")

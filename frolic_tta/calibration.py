@@ -1,4 +1,4 @@
-r"""Prediction fusion via confidence matching (paper Section 3.3, Eqs. 10-12; math room).
+r"""Prediction fusion via confidence matching (paper Section 3.3, Eqs. 10-12).
 
 .. math::
     \operatorname{conf}(f, \tau) = \frac1N \sum_i \max_j \mathrm{softmax}(f(x_i)/\tau)_j
@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from frolic_tta.streams import LogitSource, ReduceFn, as_source, identity_reduce
+from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 
 
 def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
@@ -61,11 +61,11 @@ def _margin_sum(source: LogitSource) -> Tensor:
 def confidence(
     logits: Tensor | LogitSource, temperature: float, *, reduce_fn: ReduceFn | None = None
 ) -> float:
-    """Mean max-softmax confidence (Eq. 10) over all shards.
+    r"""Mean max-softmax confidence (Eq. 10) over all shards.
 
     Args:
         logits: ``(N, K)`` tensor or a :class:`LogitSource`.
-        temperature: :math:`\\tau > 0`.
+        temperature: :math:`\tau > 0`.
         reduce_fn: sums a tensor over shards (identity by default).
     """
     reduce_fn = reduce_fn or identity_reduce

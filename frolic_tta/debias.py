@@ -41,15 +41,12 @@ become an absorbing state.
 from __future__ import annotations
 
 import warnings
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from frolic_tta.streams import LogitSource, ReduceFn, as_source, identity_reduce
-
-BiasMethod = Literal["soft", "paper", "implicit", "none"]
-BIAS_METHODS = ("soft", "paper", "implicit", "none")
+from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
+from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
 
 
 def _floor(beta: Tensor, prior_floor: float) -> Tensor:
@@ -91,10 +88,10 @@ def _hard_class_matrix(
 
 
 def power_iteration(matrix: Tensor, eps: float, max_iter: int = 10_000) -> Tensor:
-    """Stationary vector of a column-stochastic ``(K, K)`` matrix (Appendix A.6).
+    r"""Stationary vector of a column-stochastic ``(K, K)`` matrix (Appendix A.6).
 
     Starts from the uniform vector and stops when
-    :math:`\\|\\beta_t - \\beta_{t-1}\\|_1 < \\epsilon`.
+    :math:`\|\beta_t - \beta_{t-1}\|_1 < \epsilon`.
     """
     k = matrix.shape[0]
     beta = torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
@@ -109,10 +106,10 @@ def power_iteration(matrix: Tensor, eps: float, max_iter: int = 10_000) -> Tenso
 
 
 def solve_stationary(matrix: Tensor) -> Tensor:
-    """Exact solution of :math:`\\beta = S\\beta,\\ \\mathbf 1^\\top\\beta = 1` for a
-    column-stochastic ``(K, K)`` ``S``: :math:`(S - I + \\mathbf 1\\mathbf 1^\\top)\\beta =
-    \\mathbf 1` (LU). Used for the Oracle, where power iteration from uniform stops early
-    when :math:`S \\approx I`."""
+    r"""Exact solution of :math:`\beta = S\beta,\ \mathbf 1^\top\beta = 1` for a
+    column-stochastic ``(K, K)`` ``S``: :math:`(S - I + \mathbf 1\mathbf 1^\top)\beta =
+    \mathbf 1` (LU). Used for the Oracle, where power iteration from uniform stops early
+    when :math:`S \approx I`."""
     k = matrix.shape[0]
     system = matrix - torch.eye(k, dtype=matrix.dtype) + 1.0
     beta, info = torch.linalg.solve_ex(system, torch.ones(k, dtype=matrix.dtype))
@@ -148,7 +145,7 @@ def _newton_sums(source: LogitSource, gamma: Tensor) -> Tensor:
 def _soft_newton(
     source: LogitSource, eps: float, max_iter: int, prior_floor: float, reduce_fn: ReduceFn
 ) -> tuple[Tensor, bool]:
-    """Minimise :math:`L(\\gamma)/N` (module docstring) by diagonally preconditioned Newton
+    r"""Minimise :math:`L(\gamma)/N` (module docstring) by diagonally preconditioned Newton
     steps with Armijo backtracking; ``(beta, converged)``. Each trial point costs one pass and
     one ``reduce_fn`` call; accept/reject decisions use reduced values only."""
     k = source.num_classes
@@ -228,10 +225,8 @@ def estimate_label_bias(
     Returns:
         ``(K,)`` float64, positive, sums to 1.
     """
-    if method not in BIAS_METHODS:
-        raise ValueError(f"Expected `method` to be one of {BIAS_METHODS}, but got {method!r}")
-    if not eps > 0:
-        raise ValueError(f"Expected `eps` > 0, but got {eps}")
+    check_choice("method", method, BIAS_METHODS)
+    check_positive("eps", eps)
     reduce_fn = reduce_fn or identity_reduce
     source = as_source(logits)
     k = source.num_classes

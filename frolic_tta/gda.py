@@ -1,4 +1,4 @@
-r"""Label-free Gaussian discriminant head (paper Section 3.2, Eqs. 3-9; math room).
+r"""Label-free Gaussian discriminant head (paper Section 3.2, Eqs. 3-9).
 
 Everything here is computed from a handful of **sums over samples** (:class:`MomentSums`), so a
 sharded dataset gives the same head as one pass once the sums are reduced.
@@ -44,27 +44,24 @@ Shapes: N samples, K classes, d embedding dim.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from frolic_tta.streams import ReduceFn
-
-Covariance = Literal["soft", "paper"]
-COVARIANCES = ("soft", "paper")
+from frolic_tta.logits import AffineMap, ReduceFn
+from frolic_tta.options import COVARIANCES, Covariance, Shrinkage, check_choice, check_shrinkage
 
 
 @dataclass
 class MomentSums:
-    """Additive sufficient statistics of one shard (float64).
+    r"""Additive sufficient statistics of one shard (float64).
 
     Attributes:
         count: ``()`` number of samples N.
-        feature_sum: ``(d,)`` :math:`\\sum_i x_i`.
-        outer_sum: ``(d, d)`` :math:`\\sum_i x_i x_i^\\top`.
-        soft_count: ``(K,)`` :math:`\\sum_i p_{ij}` under the zero-shot posterior.
-        soft_sum: ``(K, d)`` :math:`\\sum_i p_{ij} x_i`.
+        feature_sum: ``(d,)`` :math:`\sum_i x_i`.
+        outer_sum: ``(d, d)`` :math:`\sum_i x_i x_i^\top`.
+        soft_count: ``(K,)`` :math:`\sum_i p_{ij}` under the zero-shot posterior.
+        soft_sum: ``(K, d)`` :math:`\sum_i p_{ij} x_i`.
     """
 
     count: Tensor
@@ -72,6 +69,11 @@ class MomentSums:
     outer_sum: Tensor
     soft_count: Tensor
     soft_sum: Tensor
+
+    @property
+    def mean(self) -> Tensor:
+        r"""``(d,)`` the mean feature :math:`\hat\mu`."""
+        return self.feature_sum / self.count
 
     def reduce(self, reduce_fn: ReduceFn) -> MomentSums:
         """Sum every field over shards with ``reduce_fn``."""
@@ -82,13 +84,13 @@ class MomentSums:
 
 
 def zero_shot_posterior(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
-    """Zero-shot posterior :math:`\\mathrm{softmax}(x Z^\\top / \\tau_c)` in float64, ``(N, K)``."""
+    r"""Zero-shot posterior :math:`\mathrm{softmax}(x Z^\top / \tau_c)` in float64, ``(N, K)``."""
     logits = features.to(torch.float64) @ prototypes.to(torch.float64).t()
     return torch.softmax(logits / tau_c, dim=1)
 
 
 def moment_sums(features: Tensor, prototypes: Tensor, tau_c: float) -> MomentSums:
-    """The sums of one shard (functional twin of :class:`frolic_tta.stats.FrolicMoments`).
+    """The sums of one shard (functional twin of :class:`frolic_tta.metrics.FrolicMoments`).
 
     Args:
         features: ``(n, d)`` image features of the shard (any float dtype).
@@ -130,7 +132,7 @@ def oas_shrinkage(covariance: Tensor, num_samples: float) -> float:
 
 
 def shrink(covariance: Tensor, shrinkage: float) -> Tensor:
-    """:math:`(1-\\rho)\\Sigma + \\rho\\,\\frac{\\operatorname{tr}\\Sigma}{d} I`, ``(d, d)``."""
+    r""":math:`(1-\rho)\Sigma + \rho\,\frac{\operatorname{tr}\Sigma}{d} I`, ``(d, d)``."""
     d = covariance.shape[0]
     mu = torch.diagonal(covariance).sum() / d
     shrunk = (1.0 - shrinkage) * covariance
@@ -140,16 +142,16 @@ def shrink(covariance: Tensor, shrinkage: float) -> Tensor:
 
 @dataclass
 class GaussianHead:
-    """A fitted label-free GDA head, float64.
+    r"""A fitted label-free GDA head, float64.
 
     Attributes:
-        weight: ``(K, d)`` centred rows :math:`\tilde w_j = \\hat\\Sigma^{-1}(\\mu_j - \\hat\\mu)`.
-        bias: ``(K,)`` :math:`\tilde b_j = -\frac12(\\mu_j - \\hat\\mu)^\top\tilde w_j`.
-        center: ``(d,)`` :math:`\\hat\\mu`, subtracted from x before ``weight``.
-        class_means: ``(K, d)`` means :math:`\\mu_j` the head was built from.
-        shared_covariance: ``(d, d)`` :math:`\\hat\\Sigma` (after shrinkage).
+        weight: ``(K, d)`` centred rows :math:`\tilde w_j = \hat\Sigma^{-1}(\mu_j - \hat\mu)`.
+        bias: ``(K,)`` :math:`\tilde b_j = -\frac12(\mu_j - \hat\mu)^\top\tilde w_j`.
+        center: ``(d,)`` :math:`\hat\mu`, subtracted from x before ``weight``.
+        class_means: ``(K, d)`` means :math:`\mu_j` the head was built from.
+        shared_covariance: ``(d, d)`` :math:`\hat\Sigma` (after shrinkage).
         shrinkage: OAS intensity used (0 for ``"paper"``).
-        class_weights: ``(K,)`` :math:`\\hat\\pi_j` (uniform for ``"paper"``).
+        class_weights: ``(K,)`` :math:`\hat\pi_j` (uniform for ``"paper"``).
     """
 
     weight: Tensor
@@ -160,17 +162,16 @@ class GaussianHead:
     shrinkage: float
     class_weights: Tensor
 
+    def affine(self) -> AffineMap:
+        """:math:`f_g` as an :class:`~frolic_tta.logits.AffineMap` (centred)."""
+        return AffineMap(self.weight, self.bias, self.center)
+
     def paper_parameters(self) -> tuple[Tensor, Tensor]:
-        """Eq. 9 literally: ``(w (K, d), b (K,))`` with :math:`w_j = \\hat\\Sigma^{-1}\\mu_j`."""
+        r"""Eq. 9 literally: ``(w (K, d), b (K,))`` with :math:`w_j = \hat\Sigma^{-1}\mu_j`."""
         weight = torch.linalg.solve(self.shared_covariance, self.class_means.t()).t()
         return weight, -0.5 * (self.class_means * weight).sum(1)
 
-    def linear(self) -> tuple[Tensor, Tensor]:
-        """``(W (K, d), b (K,))`` with :math:`f_g(x) = W x + b` (centring folded into ``b``)."""
-        return self.weight, self.bias - self.weight @ self.center
 
-
-Shrinkage = float | Literal["auto", "oas"] | None
 RANK_TOLERANCE = 1e-6
 
 
@@ -180,7 +181,7 @@ def shared_covariance(
     covariance: Covariance = "soft",
     shrinkage: Shrinkage = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, float]:
-    """Estimate :math:`\\hat\\Sigma`, class means and class weights from reduced sums.
+    r"""Estimate :math:`\hat\Sigma`, class means and class weights from reduced sums.
 
     Args:
         sums: reduced :class:`MomentSums` of the whole dataset.
@@ -192,10 +193,8 @@ def shared_covariance(
     Returns:
         ``(covariance (d, d), class_means (K, d), class_weights (K,), shrinkage)``.
     """
-    if covariance not in COVARIANCES:
-        raise ValueError(
-            f"Expected `covariance` to be one of {COVARIANCES}, but got {covariance!r}"
-        )
+    check_choice("covariance", covariance, COVARIANCES)
+    check_shrinkage(shrinkage)
     n = float(sums.count)
     second_moment = sums.outer_sum / n
     z = prototypes.to(device=second_moment.device, dtype=torch.float64)
@@ -222,10 +221,6 @@ def shared_covariance(
         deficient = float(torch.linalg.eigvalsh(sigma)[0]) <= floor
         rho = oas_shrinkage(sigma, n) if deficient else 0.0
     else:
-        if isinstance(shrinkage, str) or not 0.0 <= float(shrinkage) <= 1.0:
-            raise ValueError(
-                f"Expected `shrinkage` in [0, 1], 'auto', 'oas' or None, but got {shrinkage!r}"
-            )
         rho = float(shrinkage)
     return shrink(sigma, rho), means, weights, rho
 
@@ -236,7 +231,7 @@ def fit_gaussian_head(
     covariance: Covariance = "soft",
     shrinkage: Shrinkage = "auto",
 ) -> GaussianHead:
-    """Fit the GDA head :math:`f_g(x)_j = w_j^\\top x + b_j` (Eq. 9) from reduced sums.
+    r"""Fit the GDA head :math:`f_g(x)_j = w_j^\top x + b_j` (Eq. 9) from reduced sums.
 
     Raises:
         ValueError: if the covariance is singular (``"paper"``) or not positive definite

@@ -1,9 +1,9 @@
-"""Generated worlds with known ground truth, for tests and benchmarks (math room).
+r"""Generated worlds with known ground truth, for tests and benchmarks.
 
-* :func:`paper_world` -- the paper's own model: :math:`x \\sim \\mathcal N(z_y, \\Sigma)`,
+* :func:`paper_world` -- the paper's own model: :math:`x \sim \mathcal N(z_y, \Sigma)`,
   prototypes are the class means, no normalisation.
 * :func:`prior_shift_world` -- Proposition 2's model: logits are the Bayes posterior of Gaussian
-  classes under a known long-tailed pre-training prior :math:`\\beta^*`; the test set is balanced.
+  classes under a known long-tailed pre-training prior :math:`\beta^*`; the test set is balanced.
 * :func:`clip_world` -- CLIP-like geometry: unit-norm image and text embeddings in different cones
   (a modality gap), anisotropic within-class noise, and a planted per-class text bias.
 """
@@ -18,7 +18,7 @@ from torch import Tensor
 
 @dataclass
 class World:
-    """A generated dataset.
+    r"""A generated dataset.
 
     Attributes:
         features: ``(N, d)``.
@@ -26,7 +26,7 @@ class World:
         labels: ``(N,)``.
         covariance: ``(d, d)`` true shared covariance when the model has one.
         logits: ``(N, K)`` biased posterior logits (prior-shift world).
-        prior: ``(K,)`` true pre-training prior :math:`\\beta^*` (prior-shift world).
+        prior: ``(K,)`` true pre-training prior :math:`\beta^*` (prior-shift world).
         bayes_logits: ``(N, K)`` logits of the Bayes classifier on the test distribution.
     """
 
@@ -51,7 +51,7 @@ def paper_world(
     separation: float = 1.5,
     seed: int = 0,
 ) -> World:
-    """:math:`x \\sim \\mathcal N(z_y, \\Sigma)`, balanced, float64; Bayes classifier = LDA."""
+    r""":math:`x \sim \mathcal N(z_y, \Sigma)`, balanced, float64; Bayes classifier = LDA."""
     g = torch.Generator().manual_seed(seed)
     means = separation * torch.randn(num_classes, dim, generator=g, dtype=torch.float64)
     basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
@@ -81,12 +81,12 @@ def prior_shift_world(
     ratio: float = 20.0,
     seed: int = 0,
 ) -> World:
-    """Proposition 2's model.
+    r"""Proposition 2's model.
 
-    Classes :math:`x \\mid y \\sim \\mathcal N(\\mu_y, I)`; the model's logits are the Bayes
-    posterior under the pre-training prior :math:`\\beta^*` (``ratio`` = max/min), i.e.
-    :math:`f(x)_j = \\mu_j^\\top x - \\frac12\\|\\mu_j\\|^2 + \\ln\\beta^*_j`; the test set is
-    balanced, so :math:`f - \\ln\\beta^*` is the Bayes classifier. ``ratio=1`` gives no bias.
+    Classes :math:`x \mid y \sim \mathcal N(\mu_y, I)`; the model's logits are the Bayes
+    posterior under the pre-training prior :math:`\beta^*` (``ratio`` = max/min), i.e.
+    :math:`f(x)_j = \mu_j^\top x - \frac12\|\mu_j\|^2 + \ln\beta^*_j`; the test set is
+    balanced, so :math:`f - \ln\beta^*` is the Bayes classifier. ``ratio=1`` gives no bias.
     """
     g = torch.Generator().manual_seed(seed)
     means = separation * torch.randn(num_classes, dim, generator=g, dtype=torch.float64)
@@ -106,14 +106,14 @@ def clip_world(
     bias_strength: float = 0.04,
     seed: int = 0,
 ) -> World:
-    """CLIP-like geometry with a modality gap and a planted class bias (float32, unit norm).
+    r"""CLIP-like geometry with a modality gap and a planted class bias (float32, unit norm).
 
-    Images: :math:`x = \\mathrm{normalise}(a\\,g_{img} + c\\,u_y + \\text{noise})` with noise
+    Images: :math:`x = \mathrm{normalise}(a\,g_{img} + c\,u_y + \text{noise})` with noise
     strongest along a few shared "nuisance" directions that leak into the class directions.
-    Text: :math:`z_j = \\mathrm{normalise}(a_t g_{txt} + c_t u_j + \\delta_j g_{img})`; the
-    planted bias :math:`\\delta_j` (spread ``bias_strength``) raises every image's similarity
-    to some classes. Typical cosines: :math:`\\approx 0.35` to the true prototype and
-    :math:`\\approx 0.27` to the others.
+    Text: :math:`z_j = \mathrm{normalise}(a_t g_{txt} + c_t u_j + \delta_j g_{img})`; the
+    planted bias :math:`\delta_j` (spread ``bias_strength``) raises every image's similarity
+    to some classes. Typical cosines: :math:`\approx 0.35` to the true prototype and
+    :math:`\approx 0.27` to the others.
     """
     g = torch.Generator().manual_seed(seed)
     basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))

@@ -1,4 +1,4 @@
-"""Issue 4: ``python train.py predict`` end to end, the configs, and clear user errors."""
+"""``python train.py predict`` end to end, the configs, and clear user errors."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import yaml
 from PIL import Image
 
 from frolic_tta import FrolicClassifier, FrolicHead
-from frolic_tta.cli import FrolicCLI, main
-from frolic_tta.clip_loading import WeightsNotFoundError, load_open_clip
+from frolic_tta.clip.loading import WeightsNotFoundError, load_open_clip
+from frolic_tta.clip.prompts import resolve_templates
 from frolic_tta.data import DATASETS, canonical_dataset_name
-from frolic_tta.evaluation import ROWS
-from frolic_tta.prompts import resolve_templates
+from frolic_tta.lightning.cli import FrolicCLI, main
+from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,3 +269,19 @@ def test_print_config_round_trips(name, tmp_path, capsys):
     second = printed("--config", str(saved))
     assert second == first
     assert str(yaml.safe_load(first)["trainer"]["devices"]) == "2"
+
+
+def test_frolic_options_are_one_group_validated_before_any_model_loads(tiny_clip, tmp_path, capsys):
+    config = ROOT / "configs" / "eurosat_vit_b16.yaml"
+    parser = ParseOnly(args=["--config", str(config)], run=False).parser
+    parsed = parser.parse_args(
+        ["--config", str(config), "--model.options.bias", "paper", "--model.options.eps", "0.05"]
+    )
+    assert parsed.model.options.bias == "paper" and parsed.model.options.eps == 0.05
+    missing = ["--model.pretrained", str(tmp_path / "missing.pt"), "--data.root", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:  # the bad option, not missing data or weights
+        main(["predict", "--config", str(config), *missing, "--model.options.eps", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Expected `eps` to be a finite number > 0, but got -1.0" in err
+    assert "missing.pt" not in err and "not found" not in err

@@ -1,4 +1,4 @@
-"""Issue 2: the estimator against known ground truth and independent references."""
+"""The estimator against known ground truth and independent references."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from sklearn.covariance import oas as sklearn_oas
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 import frolic_tta
+from frolic_tta import accuracy
 from frolic_tta.calibration import confidence
-from frolic_tta.evaluation import ROWS
 from frolic_tta.gda import oas_shrinkage
+from frolic_tta.rows import ROWS
 from frolic_tta.synthetic import clip_world, paper_world, prior_shift_world
-
-
-def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((logits.argmax(1) == labels).double().mean())
 
 
 def reference_eq7(features: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -253,7 +250,7 @@ def test_float32_and_float64_agree():
             "every row of `features` to have non-zero norm",
         ),
         (torch.randn(5, 4), torch.randn(3, 4), {"covariance": "lw"}, "`covariance` to be one of"),
-        (torch.randn(5, 4), torch.randn(3, 4), {"bias": "em"}, "`method` to be one of"),
+        (torch.randn(5, 4), torch.randn(3, 4), {"bias": "em"}, "`bias` to be one of"),
         (torch.randn(5), torch.randn(3, 4), {}, r"`features` to be 2-D, but got shape \(5,\)"),
     ],
 )

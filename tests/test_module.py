@@ -1,4 +1,4 @@
-"""Issue 3: FrolicModule in trainer.predict, against the functional core, 1 vs 2 processes."""
+"""FrolicModule in trainer.predict, against the functional core, 1 vs 2 processes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 import frolic_tta
 from frolic_tta import FrolicModule, FrolicPredictionWriter, join_predictions
-from frolic_tta.callbacks import concat_outputs
+from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.data import IndexedDataset
-from frolic_tta.prompts import build_class_prompts, encode_prototypes
+from frolic_tta.lightning.writer import concat_outputs
 from tests.generated import CLASS_NAMES, GeneratedImages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def test_exported_head_reproduces_and_scores_new_data(tiny_clip, single_101, tmp
     ckpt = tmp_path / "frolic.ckpt"
     trainer.save_checkpoint(ckpt)
     restored = FrolicModule.load_from_checkpoint(ckpt)
-    torch.testing.assert_close(restored.head.linear()[0], fresh.head.linear()[0])
+    torch.testing.assert_close(restored.head.affine().weight, fresh.head.affine().weight)
     restored.reuse_head = True
     new = concat_outputs(make_trainer().predict(restored, loader(20, seed=3)))
     new_features, _ = reference(tiny_clip, 20, seed=3)

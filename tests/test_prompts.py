@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
-from frolic_tta.data.datasets import DATASET_TEMPLATES, DATASETS
-from frolic_tta.prompts import (
+from frolic_tta.clip.prompts import (
+    DATASET_TEMPLATES,
     build_class_prompts,
     encode_prototypes,
     load_descriptions,
     resolve_templates,
 )
+from frolic_tta.data.datasets import DATASETS
 
 # ---------------------------------------------------------------- templates
 

@@ -1,4 +1,4 @@
-"""Issue 2: sharded (2 uneven shards) == whole, in threads and in a real 2-process gloo group."""
+"""Sharded (2 uneven shards) == whole, in threads and in a real 2-process gloo group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import frolic_tta
-from frolic_tta.stats import FrolicMoments
+from frolic_tta.metrics import FrolicMoments
 from frolic_tta.synthetic import clip_world, prior_shift_world
 from tests.sharding import run_sharded
 

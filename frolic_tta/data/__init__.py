@@ -2,15 +2,16 @@
 
 from frolic_tta.data.datamodules import FrolicDataModule, ImageFolderDataModule
 from frolic_tta.data.datasets import (
-    DATASET_TEMPLATES,
     DATASETS,
     DatasetSpec,
-    ImageNetV2Folder,
-    WnidImageFolder,
     build_dataset,
     build_split_file_dataset,
     canonical_dataset_name,
     clean_class_name,
+)
+from frolic_tta.data.imagenet import (
+    ImageNetV2Folder,
+    WnidImageFolder,
     imagenet_class_names,
     imagenet_wnids,
 )
@@ -24,7 +25,6 @@ from frolic_tta.data.indexed import (
 
 __all__ = [
     "DATASETS",
-    "DATASET_TEMPLATES",
     "DatasetNotFoundError",
     "DatasetSpec",
     "FrolicDataModule",

@@ -1,59 +1,41 @@
-"""Registry of the datasets evaluated in the Frolic paper, their class names and CLIP templates.
+"""Registry of the datasets evaluated in the Frolic paper: where their files are, their class names.
 
 Torchvision datasets are built with torchvision's own classes (and its download logic); the
-ImageNet variants and UCF101 frames / ObjectNet are read with ``torchvision.datasets.ImageFolder``
-subclasses that map their folder names to ImageNet's label space.
+ImageNet variants (:mod:`frolic_tta.data.imagenet`), UCF101 frames and ObjectNet are read with
+``torchvision.datasets.ImageFolder`` (sub)classes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torchvision.datasets as tvd
-from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 from torch.utils.data import Dataset
 
+from frolic_tta.data.imagenet import (
+    ImageNetV2Folder,
+    WnidImageFolder,
+    imagenet_class_names,
+    imagenet_wnids,
+    metadata,
+)
 from frolic_tta.data.indexed import DatasetNotFoundError, SplitFileDataset
 
 __all__ = [
     "DATASETS",
-    "DATASET_TEMPLATES",
     "DatasetSpec",
-    "ImageNetV2Folder",
-    "WnidImageFolder",
     "build_dataset",
     "build_split_file_dataset",
     "canonical_dataset_name",
     "clean_class_name",
-    "imagenet_class_names",
-    "imagenet_wnids",
 ]
-
-_METADATA = Path(__file__).with_name("metadata.json")
-
-
-@lru_cache(maxsize=1)
-def _metadata() -> dict[str, Any]:
-    with _METADATA.open(encoding="utf-8") as f:
-        return json.load(f)
-
-
-def imagenet_wnids() -> list[str]:
-    """The 1000 ILSVRC2012 WordNet ids in class-index order (sorted)."""
-    return list(_metadata()["imagenet_wnids"])
-
-
-def imagenet_class_names() -> list[str]:
-    """open_clip's (CLIP's) cleaned ImageNet class names, in class-index order."""
-    return list(IMAGENET_CLASSNAMES)
 
 
 def clean_class_name(name: str) -> str:
@@ -68,71 +50,7 @@ def clean_class_name(name: str) -> str:
     return re.sub(r"[\s_/]+", " ", name).strip()
 
 
-_IMAGENET_LIKE = ("imagenet", "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r")
-#: CLIP's per-dataset prompt templates ("{}" marks the class name). ImageNet and its variants
-#: (and ObjectNet) use the 80 templates of CLIP's ImageNet prompt-engineering notebook.
-DATASET_TEMPLATES: dict[str, list[str]] = {
-    **{k: list(v) for k, v in _metadata()["templates"].items()},
-    **{k: [t("{}") for t in OPENAI_IMAGENET_TEMPLATES] for k in (*_IMAGENET_LIKE, "objectnet")},
-}
-
 _MISSING = re.compile(r"dataset not found|not present in the root", re.IGNORECASE)
-
-
-class ImageNetV2Folder(tvd.ImageFolder):
-    """ImageNet-V2 layout: class folders named ``"0"`` .. ``"999"`` after the ImageNet index.
-
-    Folders are ordered numerically (``"10"`` after ``"9"``) and each image's label is its
-    folder's number, i.e. its ImageNet class index.
-    """
-
-    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
-        names = [e.name for e in os.scandir(directory) if e.is_dir()]
-        bad = [n for n in names if not n.isdigit() or int(n) >= 1000]
-        if bad:
-            raise ValueError(
-                f"ImageNet-V2 folder '{directory}': expected class folders named 0..999, "
-                f"got {sorted(bad)[:5]}"
-            )
-        classes = sorted(names, key=int)
-        return classes, {c: int(c) for c in classes}
-
-
-class WnidImageFolder(tvd.ImageFolder):
-    """Class folders named by ImageNet WordNet ids (ImageNet-A/-R/-Sketch layouts).
-
-    Args:
-        root: The folder holding one sub-folder per wnid.
-        subset: If True (ImageNet-A/-R), the classes are the wnids present, in ImageNet order,
-            labelled ``0..len-1``; if False (ImageNet-Sketch), labels are ImageNet indices and
-            :attr:`class_names` has all 1000 names.
-        **kwargs: Passed to ``ImageFolder``.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], subset: bool = True, **kwargs: Any) -> None:
-        self.subset = subset
-        self._index = {w: i for i, w in enumerate(imagenet_wnids())}
-        super().__init__(root, **kwargs)
-
-    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
-        wnids = sorted(e.name for e in os.scandir(directory) if e.is_dir())
-        unknown = [w for w in wnids if w not in self._index]
-        if unknown:
-            raise ValueError(
-                f"'{directory}': expected class folders named by ImageNet wnids "
-                f"(e.g. n01443537), got {unknown[:5]}"
-            )
-        if self.subset:
-            return wnids, {w: i for i, w in enumerate(wnids)}
-        return wnids, {w: self._index[w] for w in wnids}
-
-    @property
-    def class_names(self) -> list[str]:
-        """CLIP class names, aligned with the labels this dataset returns."""
-        if self.subset:
-            return [IMAGENET_CLASSNAMES[self._index[w]] for w in self.classes]
-        return imagenet_class_names()
-
 
 Builder = Callable[[Path, str, bool], tuple[Dataset, list[str]]]
 
@@ -142,7 +60,7 @@ class DatasetSpec:
     """How to build one dataset.
 
     Attributes:
-        key: Registry key (also the key of :data:`DATASET_TEMPLATES`).
+        key: Registry key (also the key of :data:`frolic_tta.clip.DATASET_TEMPLATES`).
         title: Human-readable name, used in messages.
         build: ``(root, split, download) -> (dataset, class_names)``.
         location: Where the files are expected, relative to ``root`` (for error messages).
@@ -161,7 +79,7 @@ class DatasetSpec:
 
 
 def _names(key: str) -> Any:
-    return _metadata()["class_names"][key]
+    return metadata()["class_names"][key]
 
 
 def _imagenet(root: Path, split: str, download: bool) -> tuple[Dataset, list[str]]:

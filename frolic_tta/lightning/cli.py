@@ -22,10 +22,11 @@ import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from frolic_tta.clip_loading import WeightsNotFoundError
+from frolic_tta.clip.loading import WeightsNotFoundError
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
-from frolic_tta.module import FrolicModule
-from frolic_tta.report import FrolicReport
+from frolic_tta.lightning.module import FrolicModule
+from frolic_tta.lightning.report import FrolicReport
+from frolic_tta.options import FrolicOptions
 
 __all__ = ["FrolicCLI", "FrolicCLIError", "main"]
 
@@ -121,6 +122,19 @@ class FrolicCLI(LightningCLI):
             apply_on="instantiate",
         )
         parser.set_defaults({"data": {"class_path": "frolic_tta.data.FrolicDataModule"}})
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Validate what is cheap to check before any data or weights are touched."""
+        config = (
+            self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        )
+        options = config.get("model", {}).get("options")
+        try:
+            if options is not None:
+                FrolicOptions(**dict(options))
+        except (TypeError, ValueError) as error:
+            raise FrolicCLIError(str(error)) from error
 
     @override
     def instantiate_classes(self) -> None:

@@ -1,4 +1,4 @@
-"""FrolicModule: Frolic on a frozen open_clip model inside ``trainer.predict`` (Lightning room).
+r"""FrolicModule: Frolic on a frozen open_clip model inside ``trainer.predict``.
 
 **Two-phase predict.** ``trainer.predict(model, loader)`` runs one predict epoch:
 
@@ -18,8 +18,8 @@ Lightning keeps CPU tensors returned by ``predict_step`` by reference, so the fi
 what ``trainer.predict`` returns and what an *epoch*-interval
 :class:`~lightning.pytorch.callbacks.BasePredictionWriter` writes (callbacks'
 ``on_predict_epoch_end`` runs after the last batch, hence after finalize). A *batch*-interval
-writer sees the placeholders (NaN logits, prediction -1), except nothing at all is final
-before the last local batch: use ``write_interval="epoch"``.
+writer would see placeholders (NaN logits, prediction -1), because no prediction is final before
+the rank's last batch: use ``write_interval="epoch"``.
 
 **DDP contract.** Lightning's predict sampler (``UnrepeatedDistributedSamplerWrapper``) does not
 pad, so ranks may differ by one batch; a collective inside ``predict_step`` would deadlock. Each
@@ -44,7 +44,8 @@ in one phase (no statistics, no re-adaptation); set it back to ``False`` to re-a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
 import lightning as L
 import torch
@@ -52,15 +53,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip_loading import load_open_clip
-from frolic_tta.core import FrolicClassifier, FrolicHead, fit_frolic
-from frolic_tta.evaluation import make_accuracy_metrics, row_heads, update_accuracies
-from frolic_tta.prompts import build_class_prompts, encode_prototypes
-from frolic_tta.stats import FrolicMoments
+from frolic_tta.clip.loading import load_open_clip
+from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
+from frolic_tta.head import FrolicClassifier, FrolicHead
+from frolic_tta.metrics import FrolicMoments, row_accuracies, update_row_accuracies
+from frolic_tta.options import FrolicOptions
+from frolic_tta.pipeline import fit_frolic
+from frolic_tta.rows import RowContext, build_rows
 
 
 class FrolicModule(L.LightningModule):
-    """Frolic test-time adaptation of a frozen open_clip model.
+    r"""Frolic test-time adaptation of a frozen open_clip model.
 
     Args:
         model_name: open_clip model name (``"ViT-B-16"``) or path of a model-config JSON.
@@ -69,11 +72,9 @@ class FrolicModule(L.LightningModule):
         templates: ``"openai"`` (80), ``"simple"`` (7), a dataset key, or a list of ``"{}"``
             templates.
         prompts_file: CuPL-style JSON (class name -> sentences), ensembled per class.
-        tau_c: zero-shot temperature :math:`\\tau_c`.
-        eps: tolerance of the label-bias loop.
-        covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7).
-        shrinkage: ``"auto"``, ``"oas"``, a float in [0, 1] or ``None`` (soft covariance only).
-        bias: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
+        tau_c: zero-shot temperature :math:`\tau_c`.
+        options: the estimator's :class:`~frolic_tta.options.FrolicOptions` (covariance,
+            shrinkage, label-bias method, tolerance); ``--model.options.<field>`` on the CLI.
         ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
         return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
             any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
@@ -90,10 +91,7 @@ class FrolicModule(L.LightningModule):
         templates: str | list[str] = "openai",
         prompts_file: str | None = None,
         tau_c: float = 0.01,
-        eps: float = 0.01,
-        covariance: Literal["soft", "paper"] = "soft",
-        shrinkage: float | Literal["auto", "oas"] | None = "auto",
-        bias: Literal["soft", "paper", "implicit", "none"] = "soft",
+        options: FrolicOptions = FrolicOptions(),  # noqa: B008 (frozen, immutable)
         ablations: bool = True,
         return_logits: bool = True,
         reuse_head: bool = False,
@@ -102,6 +100,9 @@ class FrolicModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # the CLI (and load_from_checkpoint) hand over a dict; hparams keep plain values
+        self.options = options if isinstance(options, FrolicOptions) else FrolicOptions(**options)
+        self.hparams["options"] = asdict(self.options)
         self.clip, self.preprocess, self.tokenizer = load_open_clip(model_name, pretrained)
         self.class_names = list(class_names) if class_names is not None else None
         self.reuse_head = reuse_head
@@ -230,7 +231,7 @@ class FrolicModule(L.LightningModule):
         return output
 
     def finalize(self) -> None:
-        """All-reduce, fit the head, :math:`\\tau_g`, :math:`\\beta`, and fill the outputs."""
+        r"""All-reduce, fit the head, :math:`\tau_g`, :math:`\beta`, and fill the outputs."""
         sums = self.moments.compute()  # synced over the process group
         total = int(round(float(sums.count)))
         if total != self._dataset_length:
@@ -245,11 +246,8 @@ class FrolicModule(L.LightningModule):
         fit = fit_frolic(
             features,
             self._prototypes,
+            self.options,
             tau_c=hp.tau_c,
-            eps=hp.eps,
-            covariance=hp.covariance,
-            shrinkage=hp.shrinkage,
-            bias=hp.bias,
             sums=sums,
             reduce_fn=self._reduce,
             keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
@@ -277,17 +275,13 @@ class FrolicModule(L.LightningModule):
         self._features, self._labels = [], []
 
     def _evaluate(self, features: Tensor, labels: Tensor, sums: Any) -> None:
-        heads = row_heads(
-            self.head,
-            features,
-            labels,
-            sums,
-            eps=self.hparams.eps,
-            reduce_fn=self._reduce,
-            chunk_size=self.hparams.chunk_size,
+        hp = self.hparams
+        ctx = RowContext(
+            self.head, sums, features, self.options, labels, self._reduce, hp.chunk_size
         )
-        metrics = make_accuracy_metrics(len(self.class_names)).to(self.device)
-        update_accuracies(metrics, heads, features, labels.to(self.device), self.hparams.chunk_size)
+        rows = build_rows(ctx)
+        metrics = row_accuracies(len(self.class_names)).to(self.device)
+        update_row_accuracies(metrics, rows, features, labels.to(self.device), hp.chunk_size)
         computed = metrics.compute()  # torchmetrics syncs over the process group
         self.metrics_ = {key: float(value) for key, value in computed.items()}
         self.metrics_.update(
@@ -302,7 +296,7 @@ class FrolicModule(L.LightningModule):
 
     # ------------------------------------------------------------------ re-use
     def adapted_classifier(self) -> FrolicClassifier:
-        """The adapted classifier :math:`f_d(x) = A (x - \\mu) + c` on normalised features.
+        r"""The adapted classifier :math:`f_d(x) = A (x - \mu) + c` on normalised features.
 
         A :class:`~frolic_tta.core.FrolicClassifier` (``nn.Module``); ``self.head.to_linear()``
         gives a plain ``nn.Linear`` computing :math:`A x + c'`.

@@ -1,17 +1,17 @@
-"""FrolicReport: the files and the terminal table a person looks at after ``train.py predict``.
+r"""FrolicReport: the files and the terminal table a person looks at after ``train.py predict``.
 
 After the predict epoch, rank 0 joins the per-rank prediction files (written by the inherited
 :class:`~frolic_tta.callbacks.FrolicPredictionWriter`) and writes, in ``output_dir``:
 
-* ``metrics.json``: dataset, model, N, K, :math:`\\tau_g`, the spread of :math:`\\hat\\beta`,
-  accuracy of every Table 3/4 row (labelled data only), and per-class :math:`\\hat\\beta` and mean
+* ``metrics.json``: dataset, model, N, K, :math:`\tau_g`, the spread of :math:`\hat\beta`,
+  accuracy of every Table 3/4 row (labelled data only), and per-class :math:`\hat\beta` and mean
   predicted probability before/after debiasing.
 * ``predictions.csv``: ``index, path, prediction, confidence[, target]`` (class names).
 * ``logits.pt``: the joined tensors (``index``, ``logits``, ``prediction``, ``confidence``,
   ``target``) and ``class_names``.
 * ``head.pt``: the adapted head (``frolic_head``, :meth:`frolic_tta.FrolicHead.state_dict`) and
-  ``linear`` (state dict of the ``torch.nn.Linear`` :math:`f_d(x) = Ax + c` on normalised
-  features).
+  ``classifier`` (state dict of the :class:`~frolic_tta.FrolicClassifier`
+  :math:`f_d(x) = A(x - \mu) + c` on L2-normalised image features).
 * ``class_probability.png`` (the paper's Fig. 1c/d) and ``beta.png``.
 """
 
@@ -30,23 +30,11 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
-from frolic_tta.callbacks import FrolicPredictionWriter, join_predictions
 from frolic_tta.data.indexed import dataset_paths
-from frolic_tta.evaluation import ROWS, metric_key
-from frolic_tta.plots import plot_beta, plot_class_probability
-
-ROW_LABELS = {
-    "f_c": "zero-shot CLIP",
-    "f_c - ln beta": "zero-shot, debiased",
-    "f_g": "Gaussian head (GDA)",
-    "f_c + f_g": "sum, uncalibrated",
-    "f_f": "fused, tau_g matched",
-    "f_d": "Frolic (fused, debiased)",
-    "tde": "TDE (Table 4)",
-    "implicit": "implicit bias (Table 4)",
-    "oracle": "oracle bias, labels (Table 4)",
-}
-"""Short description of each row of :data:`frolic_tta.evaluation.ROWS`."""
+from frolic_tta.lightning.plots import plot_beta, plot_class_probability
+from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
+from frolic_tta.metrics import metric_key
+from frolic_tta.rows import ROWS
 
 
 def _short(value: Any) -> str:
@@ -237,7 +225,7 @@ def format_table(summary: dict[str, Any]) -> str:
         width = max(len(row) for row in accuracy)
         lines.append(f"  {'row':<{width}}  {'accuracy':>8}  description")
         for row, value in accuracy.items():
-            lines.append(f"  {row:<{width}}  {100 * value:>7.2f}%  {ROW_LABELS.get(row, '')}")
+            lines.append(f"  {row:<{width}}  {100 * value:>7.2f}%  {ROWS[row].label}")
     else:
         lines.append("  no labels: accuracy not computed")
     beta = summary["beta"]

@@ -1,4 +1,4 @@
-"""Chunked logits and the injected reduce function (math room: pure torch).
+"""Logits as affine maps of the features, streamed in row chunks, and the reduce function.
 
 Every dataset-wide quantity in Frolic is a *sum over samples*. The estimators never hold more
 than one ``(chunk, K)`` block of logits at a time unless the caller hands them a full tensor;
@@ -11,9 +11,12 @@ iterative loop is taken on reduced values, every rank takes the same decisions a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from frolic_tta.validation import check_matrix
 
 ReduceFn = Callable[[Tensor], Tensor]
 """Sums a tensor over all shards and returns the sum (must not be a mean)."""
@@ -36,32 +39,6 @@ def chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
 def identity_reduce(tensor: Tensor) -> Tensor:
     """The reduce function of a single process: returns its input."""
     return tensor
-
-
-def check_matrix(name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | None = None) -> None:
-    """Validate a 2-D floating tensor with finite values.
-
-    Raises:
-        ValueError: if ``tensor`` is not 2-D floating, has fewer than ``min_rows`` rows, has a
-            column count other than ``cols``, or holds NaN/inf.
-    """
-    if not isinstance(tensor, Tensor):
-        raise ValueError(f"Expected `{name}` to be a torch.Tensor, but got {type(tensor).__name__}")
-    if tensor.ndim != 2:
-        raise ValueError(f"Expected `{name}` to be 2-D, but got shape {tuple(tensor.shape)}")
-    if not tensor.is_floating_point():
-        raise ValueError(f"Expected `{name}` to be floating point, but got {tensor.dtype}")
-    if tensor.shape[0] < min_rows:
-        raise ValueError(
-            f"Expected `{name}` to have at least {min_rows} rows, but got {tensor.shape[0]}"
-        )
-    if cols is not None and tensor.shape[1] != cols:
-        raise ValueError(
-            f"Expected `{name}` to have {cols} columns (dimension mismatch), "
-            f"but got shape {tuple(tensor.shape)}"
-        )
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"Expected `{name}` to hold only finite values, but found NaN or inf")
 
 
 def compute_dtype(tensor: Tensor) -> torch.dtype:
@@ -98,7 +75,7 @@ class TensorLogits(LogitSource):
 
 
 class LinearLogits(LogitSource):
-    r"""Logits of a linear head computed on the fly: :math:`f(x) = W (x - c) + b`.
+    r"""Logits of an affine map computed on the fly: :math:`f(x) = W (x - c) + b`.
 
     Args:
         features: ``(N, d)`` features of the local shard.
@@ -151,3 +128,42 @@ def materialise(source: LogitSource) -> Tensor:
     if not parts:
         return torch.empty(0, source.num_classes)
     return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class AffineMap:
+    r"""A classifier :math:`f(x) = W (x - \mu) + b`: the one scoring path of every row.
+
+    Every classifier Frolic builds (zero-shot, GDA, fused, debiased, the Table 3/4 rows) is
+    affine in the features. It is always evaluated *centred*: :math:`W x` and :math:`W\mu`
+    can be large and nearly equal (an ill-conditioned :math:`\hat\Sigma`), and subtracting
+    :math:`\mu` from the features first keeps float32 exact.
+
+    Attributes:
+        weight: ``(K, d)`` :math:`W`.
+        bias: ``(K,)`` :math:`b`.
+        center: ``(d,)`` :math:`\mu`, or ``None`` for :math:`f(x) = W x + b`.
+    """
+
+    weight: Tensor
+    bias: Tensor
+    center: Tensor | None = None
+
+    def source(self, features: Tensor, chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> LinearLogits:
+        """The logits of ``features`` ``(N, d)`` as a chunked :class:`LogitSource`."""
+        return LinearLogits(features, self.weight, self.bias, chunk_size, self.center)
+
+    def logits(self, features: Tensor, chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> Tensor:
+        """``(N, K)`` logits of ``features`` ``(N, d)``, in float32 (float64 for float64 input)."""
+        return materialise(self.source(features, chunk_size))
+
+    def shift(self, offset: Tensor) -> AffineMap:
+        r"""The same map with ``offset`` ``(K,)`` added to every row of logits (e.g.
+        :math:`-\ln\hat\beta`)."""
+        return AffineMap(self.weight, self.bias + offset.to(self.bias), self.center)
+
+    def uncentred(self) -> tuple[Tensor, Tensor]:
+        """``(W (K, d), b' (K,))`` with :math:`f(x) = W x + b'` (for a plain ``nn.Linear``)."""
+        if self.center is None:
+            return self.weight, self.bias
+        return self.weight, self.bias - self.weight @ self.center.to(self.weight)

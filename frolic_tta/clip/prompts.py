@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 from tqdm import tqdm
 
-from frolic_tta.data.datasets import DATASET_TEMPLATES, canonical_dataset_name
+from frolic_tta.data.datasets import canonical_dataset_name
 
 __all__ = [
+    "DATASET_TEMPLATES",
     "build_class_prompts",
     "encode_prototypes",
     "load_descriptions",
@@ -30,6 +31,16 @@ __all__ = [
 ]
 
 Templates = str | Sequence[str | Callable[[str], str]]
+
+_IMAGENET_LIKE = ("imagenet", "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+with Path(__file__).with_name("templates.json").open(encoding="utf-8") as _file:
+    _TEMPLATES = json.load(_file)["templates"]
+#: CLIP's per-dataset prompt templates ("{}" marks the class name). ImageNet and its variants
+#: (and ObjectNet) use the 80 templates of CLIP's ImageNet prompt-engineering notebook.
+DATASET_TEMPLATES: dict[str, list[str]] = {
+    **{key: list(value) for key, value in _TEMPLATES.items()},
+    **{k: [t("{}") for t in OPENAI_IMAGENET_TEMPLATES] for k in (*_IMAGENET_LIKE, "objectnet")},
+}
 
 
 def _as_format_string(template: str | Callable[[str], str]) -> str:
@@ -48,7 +59,7 @@ def resolve_templates(templates: Templates) -> list[str]:
     Args:
         templates: ``"openai"`` (open_clip's 80 ImageNet templates), ``"simple"`` (its 7 simple
             ones), a dataset key such as ``"dtd"`` (CLIP's templates for that dataset, see
-            ``frolic_tta.data.DATASET_TEMPLATES``), a single string containing ``"{}"``, or a
+            ``frolic_tta.clip.DATASET_TEMPLATES``), a single string containing ``"{}"``, or a
             sequence of such strings (or of open_clip-style callables).
 
     Returns:

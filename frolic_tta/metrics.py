@@ -1,9 +1,12 @@
-"""Statistics room: the sums Frolic needs, as torchmetrics ``Metric`` states.
+r"""Statistics accumulated across ranks, as torchmetrics ``Metric`` states.
 
-Every state is a float64 sum with ``dist_reduce_fx="sum"``, so torchmetrics' sync (or
-:meth:`MomentSums.reduce` with any all-reduce) merges shards exactly; ``compute()`` returns the
-reduced :class:`~frolic_tta.gda.MomentSums`. The functional twin is
-:func:`frolic_tta.gda.moment_sums`.
+* :class:`FrolicMoments` -- the sums Frolic's head needs (its functional twin is
+  :func:`frolic_tta.gda.moment_sums`). Every state is a float64 sum with
+  ``dist_reduce_fx="sum"``, so torchmetrics' sync (or :meth:`MomentSums.reduce` with any
+  all-reduce) merges shards exactly; ``compute()`` returns the reduced
+  :class:`~frolic_tta.gda.MomentSums`.
+* :func:`row_accuracies` and :func:`update_row_accuracies` -- the accuracy of every row of
+  :data:`frolic_tta.rows.ROWS`, one ``MulticlassAccuracy`` per row, fed chunk by chunk.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
 
 from frolic_tta.gda import MomentSums, moment_sums
+from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap
+from frolic_tta.rows import available_rows
 
 
 class FrolicMoments(Metric):
@@ -89,8 +95,33 @@ class FrolicMoments(Metric):
             self.soft_sum.double(),
         )
 
-    def ensure_float64(self) -> None:
-        """Cast states back to float64 (e.g. after a ``bf16-true`` precision plugin cast them)."""
-        for name in ("count", "feature_sum", "outer_sum", "soft_count", "soft_sum", "prototypes"):
-            setattr(self, name, getattr(self, name).to(torch.float64))
-        self._defaults = {k: v.to(torch.float64) for k, v in self._defaults.items()}
+
+def metric_key(row: str) -> str:
+    """A logger-friendly name for a row: ``"f_c - ln beta"`` -> ``"acc/f_c-ln_beta"``."""
+    return "acc/" + row.replace(" - ", "-").replace(" + ", "+").replace(" ", "_")
+
+
+def row_accuracies(num_classes: int, labelled: bool = True) -> MetricCollection:
+    """One micro-averaged multiclass accuracy per available row, keyed by :func:`metric_key`."""
+    return MetricCollection(
+        {
+            metric_key(row): MulticlassAccuracy(num_classes, average="micro")
+            for row in available_rows(num_classes, labelled)
+        }
+    )
+
+
+def update_row_accuracies(
+    metrics: MetricCollection,
+    rows: dict[str, AffineMap],
+    features: Tensor,
+    labels: Tensor,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> None:
+    """Feed every row's predictions on the local shard ``features`` ``(N_local, d)`` into
+    ``metrics`` (chunked; no ``(N, K)`` tensor)."""
+    for row, classifier in rows.items():
+        metric = metrics[metric_key(row)]
+        for start, logits in classifier.source(features, chunk_size).chunks():
+            target = labels[start : start + logits.shape[0]].to(logits.device)
+            metric.update(logits.argmax(1), target)

@@ -7,6 +7,7 @@ pyplot global state), so importing this module does not change the user's matplo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from matplotlib.axes import Axes
@@ -36,6 +37,27 @@ def _figure(k: int) -> tuple[Figure, Axes]:
     width = 8.0 if k > MAX_NAMED_CLASSES else max(6.0, 0.3 * k)
     fig = Figure(figsize=(width, 4.8), layout="constrained")
     return fig, fig.subplots()
+
+
+def _series(
+    ax: Axes, values: Tensor, offset: float = 0.0, width: float = 0.8, **style: Any
+) -> None:
+    """Bars (named classes) or a line (ranked classes) of ``values`` in their given order."""
+    x = [i + offset for i in range(values.numel())]
+    if values.numel() <= MAX_NAMED_CLASSES:
+        ax.bar(x, values, width=width, **style)
+    else:
+        ax.plot(range(values.numel()), values, **style)
+
+
+def _finish(ax: Axes, order: Tensor, names: list[str], path: Path, fig: Figure) -> Path:
+    """Uniform level, class axis, legend, and the PNG at ``path``."""
+    k = order.numel()
+    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    _class_axis(ax, order, names)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def _class_axis(ax: Axes, order: Tensor, names: list[str]) -> None:
@@ -68,27 +90,16 @@ def plot_class_probability(
     before = _check(before, names, "`before`")
     after = _check(after, names, "`after`")
     order = torch.argsort(before, descending=True)
-    k = len(names)
-    fig, ax = _figure(k)
-    x = range(k)
-    if k <= MAX_NAMED_CLASSES:
-        ax.bar([i - 0.2 for i in x], before[order], width=0.4, label="before debiasing (f_f)")
-        ax.bar([i + 0.2 for i in x], after[order], width=0.4, label="after debiasing (f_d)")
-    else:
-        ax.plot(x, before[order], label="before debiasing (f_f)")
-        ax.plot(x, after[order], label="after debiasing (f_d)")
-    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    fig, ax = _figure(len(names))
+    _series(ax, before[order], -0.2, 0.4, label="before debiasing (f_f)")
+    _series(ax, after[order], 0.2, 0.4, label="after debiasing (f_d)")
     ax.set_ylabel("mean predicted probability")
     ax.set_title(_title(title, "mean predicted probability per class, before/after debiasing"))
-    _class_axis(ax, order, names)
-    ax.legend()
-    path = Path(output_dir) / "class_probability.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return _finish(ax, order, names, Path(output_dir) / "class_probability.png", fig)
 
 
 def plot_beta(beta: Tensor, names: list[str], output_dir: str | Path, title: str = "") -> Path:
-    """Estimated label bias :math:`\\hat\\beta` per class, sorted, on a log scale.
+    r"""Estimated label bias :math:`\hat\beta` per class, sorted, on a log scale.
 
     Args:
         beta: ``(K,)`` estimated class prior (sums to 1).
@@ -101,18 +112,9 @@ def plot_beta(beta: Tensor, names: list[str], output_dir: str | Path, title: str
     """
     beta = _check(beta, names, "`beta`")
     order = torch.argsort(beta, descending=True)
-    k = len(names)
-    fig, ax = _figure(k)
-    if k <= MAX_NAMED_CLASSES:
-        ax.bar(range(k), beta[order], color="tab:purple")
-    else:
-        ax.plot(range(k), beta[order], color="tab:purple")
-    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    fig, ax = _figure(len(names))
+    _series(ax, beta[order], color="tab:purple")
     ax.set_yscale("log")
     ax.set_ylabel("estimated label bias beta-hat")
     ax.set_title(_title(title, "estimated label bias beta-hat per class, sorted"))
-    _class_axis(ax, order, names)
-    ax.legend()
-    path = Path(output_dir) / "beta.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return _finish(ax, order, names, Path(output_dir) / "beta.png", fig)

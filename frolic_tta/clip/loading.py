@@ -1,4 +1,4 @@
-"""Loading a frozen open_clip model with errors that say how to fix them (data/prompts room)."""
+"""Loading a frozen open_clip model, with errors that say how to fix them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prediction writer: one file per rank, joined exactly by global index (Lightning room)."""
+"""Prediction writer: one file per rank, joined exactly by global index."""
 
 from __future__ import annotations
 

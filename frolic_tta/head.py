@@ -1,0 +1,144 @@
+r"""The adapted classifier: everything Algorithm 1 learns, as one affine map.
+
+.. math::
+    f_d(x) = \underbrace{f_g(x)/\tau_g + f_c(x)/\tau_c}_{f_f\ \text{(Eq. 12)}} - \ln\hat\beta
+    \quad\text{(Eq. 13)} = A(x - \hat\mu) + c,\qquad
+    A = W/\tau_g + Z/\tau_c,\quad c = b/\tau_g + Z\hat\mu/\tau_c - \ln\hat\beta,
+
+with :math:`f_g(x) = W(x - \hat\mu) + b` the centred GDA head (Eq. 9 up to a constant per
+sample, see :mod:`frolic_tta.gda`) and :math:`f_c(x) = Zx` (Eq. 2). Shapes: K classes, d
+embedding dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from frolic_tta.gda import GaussianHead
+from frolic_tta.logits import AffineMap
+
+
+@dataclass
+class FrolicHead:
+    r"""The adapted classifier (float64).
+
+    Attributes:
+        prototypes: ``(K, d)`` :math:`z_j`.
+        gaussian: the fitted :class:`~frolic_tta.gda.GaussianHead` (:math:`W, b`).
+        tau_c: zero-shot temperature.
+        tau_g: matched GDA temperature (Eq. 11).
+        beta: ``(K,)`` label prior :math:`\hat\beta`.
+    """
+
+    prototypes: Tensor
+    gaussian: GaussianHead
+    tau_c: float
+    tau_g: float
+    beta: Tensor
+
+    def zero_shot(self) -> AffineMap:
+        r""":math:`f_c(x) = Zx` (Eq. 2, unscaled)."""
+        z = self.prototypes.to(torch.float64)
+        return AffineMap(z, torch.zeros(z.shape[0], dtype=torch.float64))
+
+    def fused(self) -> AffineMap:
+        r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu`."""
+        g = self.gaussian
+        z = self.prototypes.to(torch.float64)
+        weight = g.weight / self.tau_g + z / self.tau_c
+        bias = g.bias / self.tau_g + (z @ g.center) / self.tau_c
+        return AffineMap(weight, bias, g.center)
+
+    def affine(self) -> AffineMap:
+        r""":math:`f_d = f_f - \ln\hat\beta` (Eq. 13), centred at :math:`\hat\mu`."""
+        return self.fused().shift(-torch.log(self.beta.to(torch.float64)))
+
+    def score(self, features: Tensor) -> Tensor:
+        r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation)."""
+        return self.affine().logits(features)
+
+    def to_module(self) -> FrolicClassifier:
+        """The adapted classifier as a :class:`FrolicClassifier` (centred, float32-safe)."""
+        final = self.affine()
+        return FrolicClassifier(final.weight, final.bias, final.center)
+
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
+        r"""A plain ``torch.nn.Linear(d, K)`` computing :math:`f_d(x) = A x + c'`.
+
+        The uncentred form: in float32 :math:`Ax` and :math:`c'` can be large and cancel (an
+        ill-conditioned :math:`\hat\Sigma`); :meth:`to_module` is the float32-safe export, or
+        pass ``dtype=torch.float64``.
+        """
+        weight, bias = self.affine().uncentred()
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+        return layer.requires_grad_(False)
+
+    def state_dict(self) -> dict[str, Tensor | float]:
+        """Everything needed to rebuild the head, as plain tensors and floats (float64)."""
+        g = self.gaussian
+        return {
+            "prototypes": self.prototypes,
+            "weight": g.weight,
+            "bias": g.bias,
+            "center": g.center,
+            "class_means": g.class_means,
+            "shared_covariance": g.shared_covariance,
+            "shrinkage": g.shrinkage,
+            "class_weights": g.class_weights,
+            "tau_c": self.tau_c,
+            "tau_g": self.tau_g,
+            "beta": self.beta,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor | float]) -> FrolicHead:
+        """Inverse of :meth:`state_dict`."""
+        gaussian = GaussianHead(
+            weight=state["weight"],
+            bias=state["bias"],
+            center=state["center"],
+            class_means=state["class_means"],
+            shared_covariance=state["shared_covariance"],
+            shrinkage=float(state["shrinkage"]),
+            class_weights=state["class_weights"],
+        )
+        return cls(
+            prototypes=state["prototypes"],
+            gaussian=gaussian,
+            tau_c=float(state["tau_c"]),
+            tau_g=float(state["tau_g"]),
+            beta=state["beta"],
+        )
+
+
+class FrolicClassifier(torch.nn.Module):
+    r"""The adapted classifier :math:`f_d(x) = A(x - \mu) + c` as an ``nn.Module``.
+
+    Buffers ``weight`` (K, d), ``bias`` (K,), ``center`` (d,), float32; evaluated centred, as
+    :class:`~frolic_tta.logits.AffineMap`, so float32 stays exact. Input ``(n, d)``
+    L2-normalised image features, output ``(n, K)`` logits.
+    """
+
+    weight: Tensor
+    bias: Tensor
+    center: Tensor
+
+    def __init__(self, weight: Tensor, bias: Tensor, center: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().clone())
+        self.register_buffer("bias", bias.detach().float().clone())
+        self.register_buffer("center", center.detach().float().clone())
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> FrolicClassifier:
+        """Rebuild from :meth:`state_dict`."""
+        return cls(state["weight"], state["bias"], state["center"])
+
+    def forward(self, features: Tensor) -> Tensor:
+        return AffineMap(self.weight, self.bias, self.center).logits(features)

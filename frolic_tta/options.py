@@ -1,0 +1,128 @@
+r"""The options of the Frolic estimator: one vocabulary for the functions, the module and the CLI.
+
+:class:`FrolicOptions` is a frozen dataclass; its values are validated once, when it is built
+(so a command line with a bad value fails before any model loads). :func:`frolic_tta.frolic`,
+:func:`frolic_tta.fit_frolic` and ``FrolicModule(options=...)`` take it; the command line exposes
+it as ``--model.options.<field>``.
+
+The zero-shot temperature :math:`\tau_c` is not an option of the method but a property of the
+zero-shot classifier (CLIP's learned ``logit_scale``), so it is passed beside the options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, get_args
+
+Covariance = Literal["soft", "paper"]
+"""``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7."""
+BiasMethod = Literal["soft", "paper", "implicit", "none"]
+"""Label-bias estimators of :func:`frolic_tta.estimate_label_bias`."""
+ShrinkageMode = Literal["auto", "oas"]
+Shrinkage = float | ShrinkageMode | None
+"""``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
+
+COVARIANCES: tuple[str, ...] = get_args(Covariance)
+BIAS_METHODS: tuple[str, ...] = get_args(BiasMethod)
+SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"Expected `{name}` to be one of {choices}, but got {value!r}")
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """``value`` as a float if it is a finite real number > 0 (>= 0 with ``allow_zero``).
+
+    Raises:
+        TypeError: ``value`` is not a real number (``bool`` included).
+        ValueError: it is NaN, infinite, or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"Expected `{name}` to be a real number, but got {value!r}")
+    value = float(value)
+    bound = "> 0" if not allow_zero else ">= 0"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"Expected `{name}` to be a finite number {bound}, but got {value!r}")
+    return value
+
+
+def check_shrinkage(value: Any) -> None:
+    """Raise unless ``value`` is ``"auto"``, ``"oas"``, ``None`` or a real number in [0, 1]."""
+    if value is None or (isinstance(value, str) and value in SHRINKAGE_MODES):
+        return
+    message = f"Expected `shrinkage` in [0, 1], 'auto', 'oas' or None, but got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(message)
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class FrolicOptions:
+    r"""Choices of the Frolic estimator (defaults: the numerically sound variants).
+
+    Args:
+        covariance: ``"soft"`` (default; positive semi-definite on unit-norm features) or
+            ``"paper"`` (Eq. 7 literally).
+        shrinkage: for ``"soft"``: ``"auto"`` (OAS only when the scatter is rank-deficient),
+            ``"oas"``, a float in [0, 1], or ``None``.
+        bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
+            written), ``"implicit"`` (Eq. 15 on test data) or ``"none"``.
+        eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
+        max_iter: cap on the label-bias iterations.
+        prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
+
+    Example::
+
+        >>> FrolicOptions(bias="paper").covariance
+        'soft'
+        >>> FrolicOptions(eps=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `eps` to be a finite number > 0, but got 0.0
+    """
+
+    covariance: Covariance = "soft"
+    shrinkage: Shrinkage = "auto"
+    bias: BiasMethod = "soft"
+    eps: float = 0.01
+    max_iter: int = 100
+    prior_floor: float = 1e-30
+
+    def __post_init__(self) -> None:
+        check_choice("covariance", self.covariance, COVARIANCES)
+        check_shrinkage(self.shrinkage)
+        check_choice("bias", self.bias, BIAS_METHODS)
+        check_positive("eps", self.eps)
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int):
+            raise TypeError(f"Expected `max_iter` to be an int, but got {self.max_iter!r}")
+        if self.max_iter < 1:
+            raise ValueError(f"Expected `max_iter` >= 1, but got {self.max_iter}")
+        floor = check_positive("prior_floor", self.prior_floor)
+        if floor >= 1.0:
+            raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
+
+
+def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> FrolicOptions:
+    """``options`` (default :class:`FrolicOptions`) with ``overrides`` applied and validated.
+
+    Raises:
+        TypeError: ``options`` is not a :class:`FrolicOptions`, or an override is not one of
+            its fields.
+    """
+    if options is None:
+        options = FrolicOptions()
+    elif not isinstance(options, FrolicOptions):
+        raise TypeError(f"Expected `options` to be a FrolicOptions, but got {options!r}")
+    names = {f.name for f in fields(FrolicOptions)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(
+            f"Expected keyword arguments among the FrolicOptions fields {sorted(names)}, "
+            f"but got {unknown}"
+        )
+    return replace(options, **overrides) if overrides else options

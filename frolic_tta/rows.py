@@ -1,0 +1,186 @@
+r"""The rows of the paper's Table 3 and Table 4: one registry for results, metrics and reports.
+
+Each :class:`Row` has a key (``"f_d"``), a label for tables, the paper table it comes from, and
+a builder that turns a fitted :class:`~frolic_tta.head.FrolicHead` into the row's classifier,
+an :class:`~frolic_tta.logits.AffineMap` (every row is affine in the features). Builders that
+estimate a prior (debiased :math:`f_c`, implicit, Oracle) stream the local shard and call
+``reduce_fn``; they are called in registry order on every rank, so the collectives line up.
+
+:meth:`frolic_tta.FrolicResult.ablations`, the module's accuracy metrics, the report's table
+and the benchmarks all iterate :data:`ROWS`; adding a row here adds it everywhere.
+Shapes: N samples, K classes, d embedding dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from frolic_tta.debias import estimate_label_bias
+from frolic_tta.gda import MomentSums
+from frolic_tta.head import FrolicHead
+from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap, ReduceFn, identity_reduce
+from frolic_tta.options import FrolicOptions
+
+ORACLE_MAX_CLASSES = 4096
+"""The Oracle row solves a (K, K) system; above this K it is left out."""
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What a row builder may use: the fit and the local shard.
+
+    Attributes:
+        head: the fitted head.
+        sums: the *reduced* moment sums of the whole dataset.
+        features: ``(N_local, d)`` features of this shard.
+        options: the options of the fit.
+        labels: ``(N_local,)`` true labels of this shard, or ``None``.
+        reduce_fn: sums a tensor over shards.
+        chunk_size: rows per chunk when streaming logits.
+    """
+
+    head: FrolicHead
+    sums: MomentSums
+    features: Tensor
+    options: FrolicOptions
+    labels: Tensor | None = None
+    reduce_fn: ReduceFn = identity_reduce
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE
+
+    def prior(self, logits: AffineMap, **kwargs: object) -> Tensor:
+        """:func:`~frolic_tta.estimate_label_bias` of ``logits`` on the whole dataset."""
+        return estimate_label_bias(
+            logits.source(self.features, self.chunk_size),
+            eps=self.options.eps,
+            max_iter=self.options.max_iter,
+            prior_floor=self.options.prior_floor,
+            reduce_fn=self.reduce_fn,
+            **kwargs,
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of Table 3/4.
+
+    Attributes:
+        key: short name, also the metric and JSON key (``"f_c - ln beta"``).
+        label: description for tables.
+        table: the paper's table (``"3"`` or ``"4"``).
+        build: ``RowContext -> AffineMap``.
+        needs_labels: only built when true labels are given (the Oracle).
+        max_classes: left out above this K (``None``: always built).
+    """
+
+    key: str
+    label: str
+    table: str
+    build: Callable[[RowContext], AffineMap]
+    needs_labels: bool = False
+    max_classes: int | None = None
+
+    def available(self, num_classes: int, labelled: bool) -> bool:
+        """Whether the row is built for K = ``num_classes`` with or without labels."""
+        if self.needs_labels and not labelled:
+            return False
+        return self.max_classes is None or num_classes <= self.max_classes
+
+
+def tde_logits(features: Tensor, prototypes: Tensor, mean: Tensor | None = None) -> Tensor:
+    r"""TDE baseline (Tang et al. 2020; Table 4): :math:`f_c(x_\perp)` with :math:`x_\perp`
+    the part of :math:`x` orthogonal to the mean feature :math:`\bar x` (of the test data).
+
+    Returns:
+        ``(N, K)`` logits.
+    """
+    if mean is None:
+        mean = features.to(torch.float64).mean(0)
+    return _tde_map(prototypes, mean).logits(features)
+
+
+def _tde_map(prototypes: Tensor, mean: Tensor) -> AffineMap:
+    # f_c(P x) with P = I - u u^T symmetric: the rows of Z projected
+    z = prototypes.to(torch.float64)
+    direction = mean.to(torch.float64) / mean.to(torch.float64).norm()
+    weight = z - (z @ direction)[:, None] * direction[None, :]
+    return AffineMap(weight, torch.zeros(z.shape[0], dtype=torch.float64))
+
+
+def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
+    scaled = AffineMap(ctx.head.prototypes.to(torch.float64) / ctx.head.tau_c, _zeros(ctx))
+    return scaled.shift(-torch.log(ctx.prior(scaled, method="soft")))
+
+
+def _sum(ctx: RowContext) -> AffineMap:
+    g, z = ctx.head.gaussian, ctx.head.prototypes.to(torch.float64)
+    return AffineMap(z + g.weight, g.bias + z @ g.center, g.center)
+
+
+def _implicit(ctx: RowContext) -> AffineMap:
+    fused = ctx.head.fused()
+    return fused.shift(-torch.log(ctx.prior(fused, method="implicit")))
+
+
+def _oracle(ctx: RowContext) -> AffineMap:
+    fused = ctx.head.fused()
+    return fused.shift(-torch.log(ctx.prior(fused, labels=ctx.labels)))
+
+
+def _zeros(ctx: RowContext) -> Tensor:
+    return torch.zeros(ctx.head.prototypes.shape[0], dtype=torch.float64)
+
+
+_ROWS = (
+    Row("f_c", "zero-shot CLIP", "3", lambda ctx: ctx.head.zero_shot()),
+    Row("f_c - ln beta", "zero-shot, debiased", "3", _debiased_zero_shot),
+    Row("f_g", "Gaussian head (GDA)", "3", lambda ctx: ctx.head.gaussian.affine()),
+    Row("f_c + f_g", "sum, uncalibrated", "3", _sum),
+    Row("f_f", "fused, tau_g matched", "3", lambda ctx: ctx.head.fused()),
+    Row("f_d", "Frolic (fused, debiased)", "3", lambda ctx: ctx.head.affine()),
+    Row("tde", "TDE (Table 4)", "4", lambda ctx: _tde_map(ctx.head.prototypes, ctx.sums.mean)),
+    Row("implicit", "implicit bias (Table 4)", "4", _implicit),
+    Row(
+        "oracle",
+        "oracle bias, labels (Table 4)",
+        "4",
+        _oracle,
+        needs_labels=True,
+        max_classes=ORACLE_MAX_CLASSES,
+    ),
+)
+ROWS: dict[str, Row] = {row.key: row for row in _ROWS}
+"""Every row, in table order: Table 3 ``f_c`` ... ``f_d``, Table 4 ``tde``, ``implicit``,
+``oracle``."""
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> float:
+    """Top-1 accuracy of ``logits`` ``(N, K)`` against ``labels`` ``(N,)``."""
+    return float((logits.argmax(1) == labels.to(logits.device)).double().mean())
+
+
+def available_rows(num_classes: int, labelled: bool) -> list[str]:
+    """Keys of the rows built for K = ``num_classes``, with or without labels."""
+    return [key for key, row in ROWS.items() if row.available(num_classes, labelled)]
+
+
+def build_rows(ctx: RowContext, keys: Iterable[str] | None = None) -> dict[str, AffineMap]:
+    """The classifier of every available row (of ``keys``, default all), in registry order.
+
+    Raises:
+        ValueError: an unknown key.
+    """
+    wanted = list(ROWS) if keys is None else list(keys)
+    unknown = [key for key in wanted if key not in ROWS]
+    if unknown:
+        raise ValueError(f"Expected row keys among {list(ROWS)}, but got {unknown}")
+    k = ctx.head.prototypes.shape[0]
+    labelled = ctx.labels is not None
+    return {
+        key: row.build(ctx)
+        for key, row in ROWS.items()
+        if key in wanted and row.available(k, labelled)
+    }

@@ -1,0 +1,119 @@
+"""The package's shape: a core that imports with torch alone, one registry of rows, one options
+vocabulary, one centred scoring path, raw docstrings, files that fit in one reading."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import frolic_tta
+from frolic_tta.logits import AffineMap
+from frolic_tta.metrics import metric_key, row_accuracies
+from frolic_tta.options import FrolicOptions
+from frolic_tta.rows import ROWS, available_rows
+from frolic_tta.synthetic import clip_world
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "frolic_tta"
+HEAVY = ("lightning", "open_clip", "torchmetrics", "torchvision", "pytorch_lightning")
+
+
+def test_estimators_import_with_torch_alone():
+    code = (
+        "import sys, torch, frolic_tta\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "z = torch.randn(3, 8, generator=g)\n"
+        "x = z[torch.arange(60) % 3] + 0.5 * torch.randn(60, 8, generator=g)\n"
+        "res = frolic_tta.frolic(x, z)\n"
+        "res.ablations(torch.arange(60) % 3)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_lightning_names_load_lazily_from_the_package():
+    from frolic_tta.lightning import FrolicModule
+
+    assert frolic_tta.FrolicModule is FrolicModule
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = frolic_tta.nope
+
+
+def test_one_registry_of_rows_drives_results_metrics_and_reports():
+    world = clip_world(num_samples=600, seed=1)
+    result = frolic_tta.frolic(world.features, world.prototypes)
+    assert list(result.ablations(world.labels)) == list(ROWS)
+    assert list(result.ablations()) == [key for key in ROWS if key != "oracle"]
+    metrics = row_accuracies(num_classes=20)
+    assert set(metrics.keys()) == {metric_key(key) for key in ROWS}
+    assert available_rows(5000, labelled=True) == [key for key in ROWS if key != "oracle"]
+    assert all(row.label and row.table in ("3", "4") for row in ROWS.values())
+
+
+def test_one_options_vocabulary_for_functions_and_module():
+    from frolic_tta.lightning import FrolicModule
+
+    names = {f.name for f in fields(FrolicOptions)}
+    for function in (frolic_tta.frolic, frolic_tta.fit_frolic, FrolicModule.__init__):
+        params = set(inspect.signature(function).parameters)
+        assert "options" in params and not names & params, function.__qualname__
+    result = frolic_tta.frolic(torch.randn(40, 4), torch.randn(3, 4), bias="paper", eps=0.05)
+    assert result.options == FrolicOptions(bias="paper", eps=0.05)
+    with pytest.raises(TypeError, match=r"FrolicOptions fields"):
+        frolic_tta.frolic(torch.randn(5, 4), torch.randn(3, 4), covariance_type="soft")
+
+
+def test_every_row_is_scored_by_the_centred_path():
+    world = clip_world(num_samples=800, seed=3)
+    result = frolic_tta.frolic(world.features, world.prototypes)
+    head = result.head
+    torch.testing.assert_close(head.score(world.features), result.logits, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(head.to_module()(world.features), result.logits, rtol=0, atol=1e-4)
+    final = head.affine()
+    shifted = AffineMap(final.weight, final.bias, final.center + 100.0)  # a far centre
+    uncentred = (final.weight.float(), final.uncentred()[1].float())
+    far = world.features + 100.0
+    exact = shifted.logits(far.double()).float()
+    assert float((shifted.logits(far) - exact).abs().max()) < 1e-3 * float(exact.abs().max())
+    assert uncentred[0].dtype == torch.float32  # the plain nn.Linear export stays available
+
+
+def _docstrings(path: Path):
+    source = path.read_text()
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for index, statement in enumerate(body):
+            is_first = index == 0 and isinstance(
+                node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+            )
+            after_assignment = index > 0 and isinstance(body[index - 1], ast.Assign | ast.AnnAssign)
+            if not (is_first or after_assignment) or not isinstance(statement, ast.Expr):
+                continue
+            value = statement.value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                start = lines[statement.lineno - 1][statement.col_offset :]
+                yield statement.lineno, value.value, start
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: p.name)
+def test_docstrings_with_math_are_raw_and_files_are_short(path):
+    for line, text, start in _docstrings(path):
+        assert not any(c in text for c in "\t\f\b\a\v\r"), f"{path.name}:{line} control char"
+        if "\\" in text:
+            assert start[:1] in "rR", f"{path.name}:{line} has a backslash but is not raw"
+    assert len(path.read_text().splitlines()) <= 400, f"{path.name} is over 400 lines"
