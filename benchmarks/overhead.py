@@ -60,7 +60,7 @@ class ZeroShotModule(FrolicModule):
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         images, index, _ = self._unpack(batch)
         features = self.encode_images(images)
-        logits = features @ self._prototypes.t() / self.hparams.tau_c
+        logits = features @ self._prototypes.t() / self.tau_c
         return self._fill({"index": index.detach().cpu()}, logits)
 
     def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:

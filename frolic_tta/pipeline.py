@@ -88,7 +88,9 @@ def fit_frolic(
         prototypes: ``(K, d)``, identical on every shard.
         options: the estimator's :class:`~frolic_tta.options.FrolicOptions` (default: the
             defaults); keyword ``overrides`` of its fields (``bias="paper"``) are applied on top.
-        tau_c: zero-shot temperature :math:`\tau_c` (CLIP's learned 0.01).
+        tau_c: zero-shot temperature :math:`\tau_c`; the default 0.01 is OpenAI CLIP's learned
+            :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
+            own (``frolic_tta.clip.model_temperature(model)``).
         sums: already *reduced* moment sums (e.g. from :class:`frolic_tta.metrics.FrolicMoments`);
             computed from ``features`` and reduced with ``reduce_fn`` if ``None``.
         reduce_fn: sums a tensor over shards (identity by default).
@@ -192,7 +194,9 @@ def frolic(
         options: :class:`~frolic_tta.options.FrolicOptions` (default: the defaults); keyword
             ``overrides`` of its fields (``covariance="paper"``, ``bias="paper"``, ``eps``, ...)
             are applied on top.
-        tau_c: zero-shot temperature (CLIP's learned 0.01).
+        tau_c: zero-shot temperature; the default 0.01 is OpenAI CLIP's learned
+            :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
+            own (``frolic_tta.clip.model_temperature(model)``).
         normalize: L2-normalise features and prototypes first (CLIP features).
         reduce_fn: sums a tensor over shards; ``features`` is then the local shard.
 

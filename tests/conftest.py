@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
+
+from tests.towers import TOWERS, Tower, build_tower
 
 TINY_CLIP_NAME = "frolic-tiny-vit"
 TINY_CLIP_CONFIG: dict[str, Any] = {
@@ -38,13 +41,18 @@ class TinyClip:
 
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> TinyClip:
-    """Register a tiny ViT CLIP config (embed_dim 32, 32px images) and save seeded weights."""
+    """Register a tiny ViT CLIP config (embed_dim 32, 32px images) and save seeded weights.
+
+    Its ``logit_scale`` is OpenAI CLIP's, ln 100, so the model's tau_c is the paper's 0.01.
+    """
     folder = tmp_path_factory.mktemp("tiny_clip")
     config_path = folder / f"{TINY_CLIP_NAME}.json"  # open_clip registers configs by file stem
     config_path.write_text(json.dumps(TINY_CLIP_CONFIG, indent=2))
     open_clip.add_model_config(config_path)
     torch.manual_seed(0)
     model = open_clip.create_model(TINY_CLIP_NAME)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100.0))
     checkpoint_path = folder / "tiny_clip.pt"
     torch.save(model.state_dict(), checkpoint_path)
     return TinyClip(TINY_CLIP_NAME, config_path, checkpoint_path)
@@ -58,6 +66,13 @@ def tiny_clip_loaded(tiny_clip: TinyClip) -> tuple[torch.nn.Module, Any, Any]:
     )
     model.eval()
     return model, preprocess, open_clip.get_tokenizer(tiny_clip.model_name)
+
+
+@pytest.fixture(scope="session")
+def tiny_towers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tower]:
+    """One tiny model per tower type of the other open_clip families (see tests/towers.py)."""
+    folder = tmp_path_factory.mktemp("tiny_towers")
+    return {name: build_tower(folder, name) for name in TOWERS}
 
 
 def _pattern_image(rng: np.random.Generator, kind: int, size: int = 40) -> Image.Image:

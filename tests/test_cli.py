@@ -126,6 +126,7 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
         ROWS
     )  # Table 3: f_c .. f_d; Table 4: tde, implicit, oracle
     assert metrics["tau_g"] > 0 and metrics["beta"]["max_over_min"] >= 1
+    assert metrics["tau_c"] == pytest.approx(0.01, rel=1e-6)  # the model's: logit_scale ln 100
     assert len(metrics["per_class"]["probability_before"]) == 3
     assert "f_d" in stdout and "tau_g" in stdout and f"N={N}" in stdout  # terminal table
     # CSV: every index once, file paths, class names, targets
@@ -249,8 +250,12 @@ def test_openai_tag_builds_quick_gelu(monkeypatch):
         raise RuntimeError("Failed to download weights (offline test)")
 
     monkeypatch.setattr(open_clip, "create_model_and_transforms", fake_create)
+    monkeypatch.setattr("frolic_tta.clip.loading.can_reach", lambda url: True)  # a Hub answers
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     for name in ("ViT-B-16", "ViT-B-16-quickgelu"):
-        with pytest.raises(WeightsNotFoundError, match="--model.pretrained /path/to.ckpt"):
+        match = r"--model.pretrained /path/to.ckpt. open_clip said: Failed to download weights"
+        with pytest.raises(WeightsNotFoundError, match=match):
             load_open_clip(name, "openai")
     assert calls == [{"force_quick_gelu": True}, {}]
 

@@ -89,7 +89,8 @@ def test_features_and_prototypes_match_an_independent_encode(tiny_clip, single_1
 
 def test_predict_equals_functional_frolic(single_101):
     module, out, _ = single_101
-    expected = frolic_tta.frolic(module.seen_features, module.head.prototypes.float())
+    prototypes = module.head.prototypes.float()
+    expected = frolic_tta.frolic(module.seen_features, prototypes, tau_c=module.tau_c)
     assert torch.equal(out["index"], torch.arange(101))
     torch.testing.assert_close(out["logits"], expected.logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(out["prediction"], expected.logits.argmax(1))

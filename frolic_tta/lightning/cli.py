@@ -22,7 +22,7 @@ import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from frolic_tta.clip.loading import WeightsNotFoundError
+from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.report import FrolicReport
@@ -129,10 +129,12 @@ class FrolicCLI(LightningCLI):
         config = (
             self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         )
-        options = config.get("model", {}).get("options")
+        model = config.get("model", {})
+        options = model.get("options")
         try:
             if options is not None:
                 FrolicOptions(**dict(options))
+            check_tau_c(model.get("tau_c", "model"))
         except (TypeError, ValueError) as error:
             raise FrolicCLIError(str(error)) from error
 

@@ -45,7 +45,7 @@ in one phase (no statistics, no re-adaptation); set it back to ``False`` to re-a
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -53,7 +53,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip.loading import load_open_clip
+from frolic_tta.clip.loading import check_tau_c, load_open_clip, model_temperature
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.metrics import FrolicMoments, row_accuracies, update_row_accuracies
@@ -66,13 +66,20 @@ class FrolicModule(L.LightningModule):
     r"""Frolic test-time adaptation of a frozen open_clip model.
 
     Args:
-        model_name: open_clip model name (``"ViT-B-16"``) or path of a model-config JSON.
-        pretrained: open_clip tag (``"openai"``), local checkpoint path, or ``None``.
+        model_name: any name open_clip accepts: an architecture (``"ViT-B-16"``),
+            ``"hf-hub:org/name"``, ``"local-dir:/path/to/folder"``, or a model-config JSON path
+            (see :mod:`frolic_tta.clip.loading`).
+        pretrained: open_clip tag (``"openai"``), local checkpoint path, or ``None``; ignored
+            for ``hf-hub:``/``local-dir:`` names, which bring their weights.
         class_names: the K class names, in label order.
         templates: ``"openai"`` (80), ``"simple"`` (7), a dataset key, or a list of ``"{}"``
             templates.
         prompts_file: CuPL-style JSON (class name -> sentences), ensembled per class.
-        tau_c: zero-shot temperature :math:`\tau_c`.
+        tau_c: zero-shot temperature :math:`\tau_c`. ``"model"`` (default): the loaded model's
+            own, :math:`1/\exp(\text{logit\_scale})` (0.01 for OpenAI CLIP, the paper's value;
+            SigLIP's ``logit_bias`` shifts every class alike and does not enter); a float
+            overrides it. The value used is ``self.tau_c`` (``hparams["tau_c"]`` keeps the
+            argument).
         options: the estimator's :class:`~frolic_tta.options.FrolicOptions` (covariance,
             shrinkage, label-bias method, tolerance); ``--model.options.<field>`` on the CLI.
         ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
@@ -90,7 +97,7 @@ class FrolicModule(L.LightningModule):
         class_names: list[str] | None = None,
         templates: str | list[str] = "openai",
         prompts_file: str | None = None,
-        tau_c: float = 0.01,
+        tau_c: float | Literal["model"] = "model",
         options: FrolicOptions = FrolicOptions(),  # noqa: B008 (frozen, immutable)
         ablations: bool = True,
         return_logits: bool = True,
@@ -103,7 +110,9 @@ class FrolicModule(L.LightningModule):
         # the CLI (and load_from_checkpoint) hand over a dict; hparams keep plain values
         self.options = options if isinstance(options, FrolicOptions) else FrolicOptions(**options)
         self.hparams["options"] = asdict(self.options)
+        fixed_tau_c = check_tau_c(tau_c)  # a bad value fails before any weights load
         self.clip, self.preprocess, self.tokenizer = load_open_clip(model_name, pretrained)
+        self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
         self.class_names = list(class_names) if class_names is not None else None
         self.reuse_head = reuse_head
         self.head: FrolicHead | None = None
@@ -179,7 +188,7 @@ class FrolicModule(L.LightningModule):
         self._dataset_length = dataset_length
         self._last_batch = int(num_batches) - 1
         self._prototypes = self.build_prototypes()
-        self.moments = FrolicMoments(self._prototypes, self.hparams.tau_c).to(self.device)
+        self.moments = FrolicMoments(self._prototypes, self.tau_c).to(self.device)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
@@ -247,7 +256,7 @@ class FrolicModule(L.LightningModule):
             features,
             self._prototypes,
             self.options,
-            tau_c=hp.tau_c,
+            tau_c=self.tau_c,
             sums=sums,
             reduce_fn=self._reduce,
             keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
