@@ -234,7 +234,7 @@ def fetch_descriptions(
 
     Args:
         out: Output folder (created).
-        datasets: Dataset keys or aliases; default: every dataset with a published file.
+        datasets: Dataset keys or aliases; default: all 16 (ObjectNet has no file: reported only).
         base_url: Where the files' paths start (a mirror, or a local server in tests).
         timeout: Seconds per download.
         files: The file of each dataset key; default :data:`PUBLISHED`.
