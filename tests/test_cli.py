@@ -17,9 +17,10 @@ import yaml
 from PIL import Image
 
 from frolic_tta import FrolicClassifier, FrolicHead
+from frolic_tta.clip.descriptions import PUBLISHED
 from frolic_tta.clip.loading import WeightsNotFoundError, load_open_clip
 from frolic_tta.clip.prompts import resolve_templates
-from frolic_tta.data import DATASETS, canonical_dataset_name
+from frolic_tta.data import DATASETS, STANDARD_SPLITS, canonical_dataset_name
 from frolic_tta.lightning.cli import FrolicCLI, main
 from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
@@ -240,6 +241,31 @@ def test_every_config_parses():
             seen.add((key, model.model_name))
     backbones = ("ViT-B-16-quickgelu", "ViT-L-14-quickgelu")  # OpenAI weights' activation
     assert seen == {(k, m) for k in DATASETS for m in backbones}
+
+
+def test_every_paper_config_parses():
+    """configs/paper: the 16 datasets x 2 backbones with the fetched descriptions and splits."""
+    paths = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
+    assert len(paths) == 2 * len(DATASETS)
+    parser = ParseOnly(args=["--config", str(paths[0])], run=False).parser
+    seen = set()
+    for path in paths:
+        config = parser.parse_path(path)
+        model, data = config.model, config.data
+        key = canonical_dataset_name(data.init_args.dataset)
+        assert config.output_dir == f"outputs/paper/{path.stem}"
+        assert path.stem.startswith(key) and model.templates == key and resolve_templates(key)
+        assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
+        # descriptions as `fetch --out descriptions` writes them; ObjectNet has none
+        expected = f"descriptions/{key}.json" if key in PUBLISHED else None
+        assert model.prompts_file == expected, path.name
+        # split "test" lets a CoOp split file be picked up ("all" would skip it)
+        assert key not in STANDARD_SPLITS or data.init_args.split == "test", path.name
+        assert data.init_args.split_file is None and data.init_args.root == "data"
+        seen.add((key, model.model_name))
+    backbones = ("ViT-B-16-quickgelu", "ViT-L-14-quickgelu")
+    assert seen == {(k, m) for k in DATASETS for m in backbones}
+    assert set(PUBLISHED) == set(DATASETS) - {"objectnet"}
 
 
 def test_openai_tag_builds_quick_gelu(monkeypatch):

@@ -25,8 +25,10 @@ from frolic_tta.data.datasets import canonical_dataset_name
 __all__ = [
     "DATASET_TEMPLATES",
     "build_class_prompts",
+    "check_descriptions",
     "encode_prototypes",
     "load_descriptions",
+    "lookup_descriptions",
     "resolve_templates",
 ]
 
@@ -95,6 +97,41 @@ def _normalise_name(name: str) -> str:
     return re.sub(r"[\s_]+", " ", name.strip().lower())
 
 
+def _word_set(name: str) -> str:
+    """Lower-case words in sorted order: ``"AM General Hummer SUV 2000"`` and ``"2000 AM
+    General Hummer SUV"`` (torchvision's and CoOp's Stanford Cars names), ``"apartment
+    building outdoor"`` and ``"outdoor apartment building"`` (SUN397) become equal."""
+    return " ".join(sorted(re.findall(r"[a-z0-9]+", name.lower())))
+
+
+def check_descriptions(content: Any, source: str) -> dict[str, list[str]]:
+    """Check parsed CuPL-style descriptions: a non-empty ``{class name: [sentence, ...]}``.
+
+    Args:
+        content: The parsed JSON.
+        source: Where it came from, for messages (``"descriptions file 'x.json'"``).
+
+    Raises:
+        ValueError: Not a JSON object of non-empty lists of non-empty strings.
+    """
+    if not isinstance(content, dict) or not content:
+        raise ValueError(
+            f"{source} must hold a non-empty JSON object {{class name: [sentences]}}, "
+            f"got {type(content).__name__}"
+        )
+    for name, sentences in content.items():
+        if (
+            not isinstance(sentences, list)
+            or not sentences
+            or not all(isinstance(s, str) and s.strip() for s in sentences)
+        ):
+            raise ValueError(
+                f"{source}, class {name!r}: expected a non-empty list of "
+                f"non-empty strings, got {sentences!r:.80}"
+            )
+    return {str(k): list(v) for k, v in content.items()}
+
+
 def load_descriptions(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     """Load CuPL-style class descriptions: a JSON object ``{class name: [sentence, ...]}``.
 
@@ -104,37 +141,32 @@ def load_descriptions(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"descriptions file not found: '{file}'")
+        raise FileNotFoundError(
+            f"descriptions file not found: '{file}' (the paper's descriptions: "
+            f"python -m frolic_tta.clip.descriptions fetch --out {file.parent})"
+        )
     with file.open(encoding="utf-8") as f:
         try:
             content = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"descriptions file '{file}' is not valid JSON: {exc}") from None
-    if not isinstance(content, dict) or not content:
-        raise ValueError(
-            f"descriptions file '{file}' must hold a non-empty JSON object "
-            f"{{class name: [sentences]}}, got {type(content).__name__}"
-        )
-    for name, sentences in content.items():
-        if (
-            not isinstance(sentences, list)
-            or not sentences
-            or not all(isinstance(s, str) and s.strip() for s in sentences)
-        ):
-            raise ValueError(
-                f"descriptions file '{file}', class {name!r}: expected a non-empty list of "
-                f"non-empty strings, got {sentences!r:.80}"
-            )
-    return {str(k): list(v) for k, v in content.items()}
+    return check_descriptions(content, f"descriptions file '{file}'")
 
 
-def _lookup(descriptions: Mapping[str, Sequence[str]], name: str) -> list[str] | None:
-    """Exact key first, then a case/underscore-insensitive match (if unambiguous)."""
+def lookup_descriptions(descriptions: Mapping[str, Sequence[str]], name: str) -> list[str] | None:
+    """The sentences of class ``name``, or ``None``.
+
+    The exact key first, then a case/underscore-insensitive match, then a match of the same
+    words in any order (each only if unambiguous).
+    """
     if name in descriptions:
         return list(descriptions[name])
-    target = _normalise_name(name)
-    hits = [k for k in descriptions if _normalise_name(k) == target]
-    return list(descriptions[hits[0]]) if len(hits) == 1 else None
+    for normalise in (_normalise_name, _word_set):
+        target = normalise(name)
+        hits = [k for k in descriptions if normalise(k) == target]
+        if hits:
+            return list(descriptions[hits[0]]) if len(hits) == 1 else None
+    return None
 
 
 def build_class_prompts(
@@ -183,7 +215,7 @@ def build_class_prompts(
     prompts: list[list[str]] = []
     missing: list[str] = []
     for name in names:
-        described = _lookup(descriptions, name) if descriptions is not None else None
+        described = lookup_descriptions(descriptions, name) if descriptions is not None else None
         from_templates = [t.replace("{}", name) for t in resolved]
         class_prompts = (described or []) + from_templates
         if not class_prompts:

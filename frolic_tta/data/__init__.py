@@ -22,16 +22,26 @@ from frolic_tta.data.indexed import (
     UnlabeledImageFolder,
     dataset_paths,
 )
+from frolic_tta.data.splits import (
+    STANDARD_SPLITS,
+    LoadedDataset,
+    StandardSplit,
+    find_standard_split,
+    load_dataset,
+)
 
 __all__ = [
     "DATASETS",
     "DatasetNotFoundError",
     "DatasetSpec",
+    "LoadedDataset",
     "FrolicDataModule",
     "ImageFolderDataModule",
     "ImageNetV2Folder",
     "IndexedDataset",
+    "STANDARD_SPLITS",
     "SplitFileDataset",
+    "StandardSplit",
     "UnlabeledImageFolder",
     "WnidImageFolder",
     "build_dataset",
@@ -39,6 +49,8 @@ __all__ = [
     "canonical_dataset_name",
     "clean_class_name",
     "dataset_paths",
+    "find_standard_split",
     "imagenet_class_names",
     "imagenet_wnids",
+    "load_dataset",
 ]

@@ -16,18 +16,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 
-from frolic_tta.data.datasets import (
-    build_dataset,
-    build_split_file_dataset,
-    canonical_dataset_name,
-    clean_class_name,
-)
+from frolic_tta.data.datasets import canonical_dataset_name, clean_class_name
 from frolic_tta.data.indexed import (
     DatasetNotFoundError,
     IndexedDataset,
     UnlabeledImageFolder,
     dataset_paths,
 )
+from frolic_tta.data.splits import load_dataset
 
 __all__ = ["FrolicDataModule", "ImageFolderDataModule"]
 
@@ -159,7 +155,9 @@ class FrolicDataModule(_IndexedDataModule):
         root: Folder holding the datasets (or the folder itself for ``folder``/``unlabeled``).
         split: Dataset split (``"test"`` by default; ImageNet's ``"val"``).
         download: Let torchvision download missing data where it can.
-        split_file: CoOp-style split JSON; when given, its ``split`` entries are used.
+        split_file: CoOp-style split JSON; when given, its ``split`` entries are used. Without
+            it, CoOp's ``split_zhou_<Name>.json`` is used when it sits in the dataset's folder
+            under ``root`` (see ``frolic_tta.data.splits``; ``split="all"`` skips it).
         image_dir: Folder the split file's paths are relative to (default: the file's folder).
         batch_size: Images per batch.
         num_workers: DataLoader worker processes.
@@ -185,16 +183,17 @@ class FrolicDataModule(_IndexedDataModule):
         key = str(dataset).strip().lower()
         if key in ("folder", "unlabeled"):
             source, names = _folder_source(root, key == "folder", class_names)
+            split_source = "all images"
         else:
             key = canonical_dataset_name(dataset)  # type: ignore[assignment]
-            if split_file is not None:
-                source, names = build_split_file_dataset(split_file, image_dir, split)
-            else:
-                source, names = build_dataset(key, root, split=split, download=download)
-            names = override_class_names(class_names, names, f"dataset {key!r}")
+            loaded = load_dataset(key, root, split, download, split_file, image_dir)
+            source, split_source = loaded.dataset, loaded.split_source
+            names = override_class_names(class_names, loaded.class_names, f"dataset {key!r}")
         labeled = key != "unlabeled"
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
         self.dataset_name = key
+        #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
+        self.split_source = split_source
 
 
 class ImageFolderDataModule(_IndexedDataModule):
@@ -224,3 +223,5 @@ class ImageFolderDataModule(_IndexedDataModule):
         source, names = _folder_source(root, labeled, class_names)
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
         self.dataset_name = "folder" if labeled else "unlabeled"
+        #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
+        self.split_source = "all images"

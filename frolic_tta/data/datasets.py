@@ -309,7 +309,7 @@ def build_dataset(
         root: Folder that holds the datasets (torchvision's ``root``).
         split: Which split; ``"test"`` maps to ImageNet's ``"val"``. Sources without official
             splits (EuroSAT, Caltech101, SUN397 in torchvision, and the folder-based sets) use
-            every image; use :func:`build_split_file_dataset` for CoOp's splits.
+            every image; :func:`frolic_tta.data.load_dataset` uses CoOp's standard splits.
         download: Let torchvision download it when missing (where torchvision can).
 
     Returns:

@@ -3,7 +3,7 @@ r"""FrolicReport: the files and the terminal table a person looks at after ``tra
 After the predict epoch, rank 0 joins the per-rank prediction files (written by the inherited
 :class:`~frolic_tta.callbacks.FrolicPredictionWriter`) and writes, in ``output_dir``:
 
-* ``metrics.json``: dataset, model, N, K, :math:`\tau_g`, the spread of :math:`\hat\beta`,
+* ``metrics.json``: dataset, split, model, N, K, :math:`\tau_g`, the spread of :math:`\hat\beta`,
   accuracy of every Table 3/4 row (labelled data only), and per-class :math:`\hat\beta` and mean
   predicted probability before/after debiasing.
 * ``predictions.csv``: ``index, path, prediction, confidence[, target]`` (class names).
@@ -186,6 +186,7 @@ class FrolicReport(FrolicPredictionWriter):
         probability = getattr(module, "class_probability_", {})
         return {
             "dataset": getattr(datamodule, "dataset_name", None) or "custom",
+            "split": getattr(datamodule, "split_source", None),
             "model": _short(hparams.get("model_name")),
             "model_name": hparams.get("model_name"),
             "pretrained": hparams.get("pretrained"),
@@ -220,6 +221,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"({_short(summary['pretrained'])}): "
         f"N={summary['num_samples']} samples, K={summary['num_classes']} classes",
     ]
+    if summary.get("split"):
+        lines.append(f"  split: {summary['split']}")
     accuracy = summary["accuracy"]
     if accuracy:
         width = max(len(row) for row in accuracy)
