@@ -84,3 +84,34 @@ def load_open_clip(model_name: str, pretrained: str | None) -> tuple[torch.nn.Mo
         raise
     model.eval().requires_grad_(False)
     return model, preprocess, open_clip.get_tokenizer(name)
+
+
+def load_open_clip_architecture(
+    model_name: str, pretrained: str | None
+) -> tuple[torch.nn.Module, Any, Any]:
+    """:func:`load_open_clip`'s model with *random* weights: nothing is read or downloaded.
+
+    For a checkpoint that carries the weights itself. The architecture and the preprocessing
+    are those ``pretrained`` implies (a tag's QuickGELU, mean/std, resize mode); a checkpoint
+    path implies nothing beyond ``model_name``.
+    """
+    name = resolve_model_name(model_name)
+    if name not in open_clip.list_models():
+        raise ValueError(
+            f"Expected `model_name` to be an open_clip model or a config JSON path, but got "
+            f"{model_name!r} (see open_clip.list_models())"
+        )
+    tag: dict[str, Any] = {}
+    if pretrained is not None:
+        tag = open_clip.get_pretrained_cfg(name, pretrained) or {}
+    options: dict[str, Any] = {}
+    if tag.get("quick_gelu", False) and not (open_clip.get_model_config(name) or {}).get(
+        "quick_gelu", False
+    ):
+        options["force_quick_gelu"] = True
+    for key in ("mean", "std", "interpolation", "resize_mode"):
+        if key in tag:
+            options[f"image_{key}"] = tag[key]
+    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, **options)
+    model.eval().requires_grad_(False)
+    return model, preprocess, open_clip.get_tokenizer(name)
