@@ -160,11 +160,8 @@ class FrolicCLI(LightningCLI):
         if model.get("head_file"):
             self._head_class_names = read_head_file(model["head_file"])[1]
         ckpt_path = config.get("ckpt_path")
-        if ckpt_path and "pytorch-lightning_version" not in peek_checkpoint(ckpt_path):
-            raise FrolicInputError(
-                f"Expected --ckpt_path to be a Lightning checkpoint, but '{ckpt_path}' is not "
-                "one; to score with the head.pt of a run pass it as --model.head_file"
-            )
+        if ckpt_path:
+            self._check_ckpt_path(str(ckpt_path))
         if model.get("reuse_head") and not (model.get("head_file") or ckpt_path):
             raise FrolicInputError(
                 "Expected a stored head with --model.reuse_head true, but none is given (a new "
@@ -176,6 +173,23 @@ class FrolicCLI(LightningCLI):
             raise FrolicInputError(
                 f"Expected --trainer.limit_predict_batches > 0, but got {limit}: nothing would "
                 "be predicted (for a smaller run use --data.limit N)"
+            )
+
+    @staticmethod
+    def _check_ckpt_path(ckpt_path: str) -> None:
+        try:
+            keys = peek_checkpoint(ckpt_path)
+        except FileNotFoundError:
+            raise FrolicInputError(
+                f"Expected --ckpt_path to be a Lightning checkpoint, but there is no file at "
+                f"'{ckpt_path}'"
+            ) from None
+        except FrolicInputError:  # not plain tensors: let Lightning read it
+            return
+        if "pytorch-lightning_version" not in keys:
+            raise FrolicInputError(
+                f"Expected --ckpt_path to be a Lightning checkpoint, but '{ckpt_path}' is not "
+                "one; to score with the head.pt of a run pass it as --model.head_file"
             )
 
     @override
