@@ -1,6 +1,7 @@
 """Run FrolicModule.predict on generated images; used by tests in a subprocess (DDP on CPU).
 
-Usage: python tests/ddp_predict.py CONFIG_JSON CHECKPOINT N BATCH DEVICES STRATEGY OUT_DIR [pad]
+Usage: python tests/ddp_predict.py CONFIG_JSON CHECKPOINT N BATCH DEVICES STRATEGY OUT_DIR
+       [pad] [nan=INDEX]
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from tests.generated import CLASS_NAMES, GeneratedImages  # noqa: E402
 
 def main() -> None:
     config, checkpoint, n, batch, devices, strategy, out_dir = sys.argv[1:8]
-    pad = len(sys.argv) > 8 and sys.argv[8] == "pad"
+    flags = sys.argv[8:]
+    pad = "pad" in flags
+    nan = [int(f.split("=")[1]) for f in flags if f.startswith("nan=")]
     torch.set_num_threads(1)
-    dataset = IndexedDataset(GeneratedImages(int(n)))
+    dataset = IndexedDataset(GeneratedImages(int(n), nan_index=nan[0] if nan else None))
     module = FrolicModule(
         model_name=config,
         pretrained=checkpoint,
@@ -54,6 +57,7 @@ def main() -> None:
                 "tau_g": module.head.tau_g,
                 "beta": module.head.beta,
                 "head": module.head.state_dict(),
+                "samples": module.samples_,
             },
             Path(out_dir) / "summary.pt",
         )

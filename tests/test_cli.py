@@ -130,6 +130,11 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
     assert metrics["tau_c"] == pytest.approx(0.01, rel=1e-6)  # the model's: logit_scale ln 100
     assert len(metrics["per_class"]["probability_before"]) == 3
     assert "f_d" in stdout and "tau_g" in stdout and f"N={N}" in stdout  # terminal table
+    table = stdout[stdout.index("Frolic on folder") :]  # after the progress bar, not inside it
+    assert stdout[stdout.index("Frolic on folder") - 1] == "\n" and "Predicting" not in table
+    assert "Frolic accuracy" not in stdout  # no second copy of the table
+    for value in metrics["accuracy"].values():  # exact ratios, no float32 noise
+        assert value == round(value * N) / N and metrics["num_evaluated"] == N
     # CSV: every index once, file paths, class names, targets
     assert [int(r["index"]) for r in rows] == list(range(N))
     assert all(Path(r["path"]).is_file() and r["path"].startswith(str(image_folder)) for r in rows)
@@ -188,7 +193,14 @@ def test_unlabeled_folder_without_class_names_says_how(tiny_clip, image_folder, 
     with pytest.raises(SystemExit) as exit_info:
         main(tiny_args(tiny_clip, image_folder, tmp_path, "--data.labeled", "false"))
     assert exit_info.value.code != 0
-    assert "--data.class_names" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--data.class_names" in err and "--data.labeled true" in err
+    folder = yaml.safe_load((ROOT / "configs" / "folder.yaml").read_text())["data"]["init_args"]
+    assert folder["labeled"] is True  # the config agrees with ImageFolderDataModule's default
+    flat = tmp_path / "flat"
+    shutil.copytree(image_folder / "red_square", flat)
+    err = one_error_line(tiny_args(tiny_clip, flat, tmp_path), capsys)
+    assert "--data.labeled false with --data.class_names" in err
 
 
 def test_missing_data_is_one_clear_error(tmp_path, capsys):
@@ -218,7 +230,10 @@ def test_only_predict_is_a_subcommand(capsys):
 
 
 class ParseOnly(FrolicCLI):
-    """Parse a config without building data or loading weights."""
+    """Parse a config without checking files, building data or loading weights."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
 
     def instantiate_classes(self) -> None:
         pass
@@ -276,7 +291,7 @@ def test_openai_tag_builds_quick_gelu(monkeypatch):
         raise RuntimeError("Failed to download weights (offline test)")
 
     monkeypatch.setattr(open_clip, "create_model_and_transforms", fake_create)
-    monkeypatch.setattr("frolic_tta.clip.loading.can_reach", lambda url: True)  # a Hub answers
+    monkeypatch.setattr("frolic_tta.clip.hub.can_reach", lambda url: True)  # a Hub answers
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     for name in ("ViT-B-16", "ViT-B-16-quickgelu"):
@@ -316,3 +331,87 @@ def test_frolic_options_are_one_group_validated_before_any_model_loads(tiny_clip
     err = capsys.readouterr().err
     assert "Expected `eps` to be a finite number > 0, but got -1.0" in err
     assert "missing.pt" not in err and "not found" not in err
+
+
+# ---------------------------------------------------------------- bad input, smoke runs, re-use
+
+
+def one_error_line(args: list[str], capsys) -> str:
+    """Run ``main(args)``, expect exit 2 and one ``error:`` line, the last, no traceback."""
+    capsys.readouterr()  # earlier output
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
+    assert "Traceback" not in err, err
+    return lines[-1]
+
+
+def test_bad_templates_or_prompts_file_fail_before_anything_loads(tiny_clip, tmp_path, capsys):
+    missing = ["--model.pretrained", str(tmp_path / "missing.pt")]  # would fail later
+    bad_key = tiny_args(tiny_clip, tmp_path, tmp_path, *missing, "--model.templates", "eurosatt")
+    err = one_error_line(bad_key, capsys)
+    assert "templates must be 'openai', 'simple', a dataset key" in err and "'eurosatt'" in err
+    no_file = tiny_args(
+        tiny_clip, tmp_path, tmp_path, *missing, "--model.prompts_file", str(tmp_path / "d.json")
+    )
+    err = one_error_line(no_file, capsys)
+    assert "descriptions file not found" in err and "missing.pt" not in err
+
+
+def test_fewer_samples_than_processes_stops_before_launching(
+    tiny_clip, image_folder, tmp_path, capsys
+):
+    args = ["--data.limit", "1", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    err = one_error_line(tiny_args(tiny_clip, image_folder, tmp_path, *args), capsys)
+    assert "Expected at least one sample per process (N >= world size 2)" in err
+    assert "N=1" in err and not (tmp_path / "metrics.json").exists()
+
+
+def test_limited_smoke_runs_adapt_on_what_they_saw(tiny_clip, image_folder, tmp_path, capsys):
+    quiet = ["--trainer.enable_progress_bar", "false", "--report.print_table", "false"]
+    for flags, seen in (
+        (["--trainer.limit_predict_batches", "2"], 8),
+        (["--trainer.fast_dev_run", "true"], 4),
+    ):
+        out = tmp_path / flags[0].split(".")[-1]
+        with pytest.warns(UserWarning, match=f"Frolic adapted on the {seen} of {N} samples"):
+            main(tiny_args(tiny_clip, image_folder, out, *quiet, *flags))
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["num_samples"] == seen and metrics["dataset_length"] == N
+        assert metrics["notes"][0].startswith("partial run") and metrics["num_evaluated"] == seen
+        with (out / "predictions.csv").open() as f:
+            assert [int(r["index"]) for r in csv.DictReader(f)] == list(range(seen))
+        assert "Frolic on" not in capsys.readouterr().out  # --report.print_table false
+    err = one_error_line(
+        tiny_args(tiny_clip, image_folder, tmp_path, "--trainer.limit_predict_batches", "0"), capsys
+    )
+    assert "Expected --trainer.limit_predict_batches > 0, but got 0" in err
+
+
+def test_head_file_scores_new_images_without_adapting(tiny_clip, image_folder, tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    quiet = ["--trainer.enable_progress_bar", "false"]
+    main(tiny_args(tiny_clip, image_folder, first, *quiet))
+    head = str(first / "head.pt")
+    main(tiny_args(tiny_clip, image_folder, second, *quiet, "--model.head_file", head))
+    assert "scored with a stored head" in capsys.readouterr().out
+    adapted = torch.load(first / "logits.pt", weights_only=True)
+    scored = torch.load(second / "logits.pt", weights_only=True)
+    torch.testing.assert_close(scored["logits"], adapted["logits"], rtol=1e-5, atol=1e-4)
+    metrics = json.loads((second / "metrics.json").read_text())
+    assert not metrics["adapted"] and metrics["tau_g"] == pytest.approx(
+        json.loads((first / "metrics.json").read_text())["tau_g"]
+    )
+    # unlabelled new images: the class names come from the head file
+    unlabeled = ["--data.labeled", "false", "--model.head_file", head]
+    main(tiny_args(tiny_clip, image_folder, tmp_path / "third", *quiet, *unlabeled))
+    assert json.loads((tmp_path / "third" / "metrics.json").read_text())["num_samples"] == N
+    err = one_error_line(
+        tiny_args(tiny_clip, image_folder, tmp_path, "--model.reuse_head", "true"), capsys
+    )
+    assert "--model.head_file outputs/<run>/head.pt" in err
+    err = one_error_line(tiny_args(tiny_clip, image_folder, tmp_path, "--ckpt_path", head), capsys)
+    assert "is not one; to score with the head.pt of a run pass it as --model.head_file" in err

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import frolic_tta
 from frolic_tta import FrolicModule
-from frolic_tta.clip import loading
+from frolic_tta.clip import hub, loading
 from frolic_tta.clip.loading import (
     WeightsNotFoundError,
     load_open_clip,
@@ -60,7 +60,7 @@ def no_network(monkeypatch):
     monkeypatch.setattr(hub_constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(loading, "_REACHABLE", {})
+    monkeypatch.setattr(hub, "_REACHABLE", {})
     return endpoint
 
 
@@ -69,7 +69,7 @@ def no_probe(monkeypatch):
     def probe(url, timeout=None):
         raise AssertionError(f"the Hub was probed ({url}) although nothing needs it")
 
-    monkeypatch.setattr(loading, "can_reach", probe)
+    monkeypatch.setattr(hub, "can_reach", probe)
 
 
 def hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> None:
@@ -253,7 +253,7 @@ def test_cached_tag_loads_offline_through_open_clip(tiny_clip, tmp_path, monkeyp
     start = time.perf_counter()
     model, _, _ = load_open_clip(tiny_clip.model_name, "frolic", cache_dir=str(tmp_path / "cache"))
     assert time.perf_counter() - start < 5 and state_equal(model, weights)
-    assert loading._REACHABLE == {}  # nothing was probed
+    assert hub._REACHABLE == {}  # nothing was probed
     with pytest.raises(WeightsNotFoundError, match=r"and http://127.0.0.1:\d+ cannot be reached"):
         load_open_clip(tiny_clip.model_name, "frolic", cache_dir=str(tmp_path / "empty"))
 
@@ -280,7 +280,7 @@ def test_quickstart_offline_is_one_error_line_within_seconds(
 
 
 def test_missing_transformers_is_named_before_any_download(monkeypatch, no_probe):
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(hub.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(WeightsNotFoundError, match=r"needs the `transformers` package .*: pip"):
         load_open_clip("ViT-B-16-SigLIP2", "webli")
 

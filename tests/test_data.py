@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.error import URLError
 
 import pytest
 import torch
-from PIL import Image
+import torchvision.datasets.eurosat as eurosat_module
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader
 from torchvision import transforms
+from torchvision.datasets import ImageFolder
 
 from frolic_tta.data import (
     DatasetNotFoundError,
@@ -25,6 +31,8 @@ from frolic_tta.data import (
     imagenet_class_names,
     imagenet_wnids,
 )
+from frolic_tta.data.datamodules import default_num_workers
+from frolic_tta.errors import FrolicInputError
 
 TO_TENSOR = transforms.Compose([transforms.Resize(32), transforms.ToTensor()])
 
@@ -39,12 +47,12 @@ def _tiny_png(path: Path, value: int = 0) -> None:
 
 def test_indexed_dataset_dicts() -> None:
     labeled = IndexedDataset([("a", 3), ("b", torch.tensor(1))], transform=str.upper)
-    assert labeled[1] == {"image": "B", "index": 1, "label": 1}
+    assert labeled[1] == {"image": "B", "index": 1, "label": 1, "error": ""}
     assert isinstance(labeled[1]["label"], int) and len(labeled) == 2
     unlabeled = IndexedDataset(["x", "y"])
-    assert unlabeled[0] == {"image": "x", "index": 0}
-    assert IndexedDataset([("z", None)])[0] == {"image": "z", "index": 0}
-    with pytest.raises(ValueError, match="got a tuple of length 3 at index 0"):
+    assert unlabeled[0] == {"image": "x", "index": 0, "error": ""}
+    assert IndexedDataset([("z", None)])[0] == {"image": "z", "index": 0, "error": ""}
+    with pytest.raises(TypeError, match="got a tuple of length 3 at index 0"):
         IndexedDataset([("a", 1, 2)])[0]
 
 
@@ -241,7 +249,7 @@ def test_unlabeled_datamodule_and_limit(image_folder: Path) -> None:
     )
     assert dm.class_names == ["a", "b", "c"] and not dm.labeled
     batches = list(dm.predict_dataloader())
-    assert all(set(b) == {"image", "index"} for b in batches)
+    assert all(set(b) == {"image", "index", "error"} for b in batches)
     assert torch.cat([b["index"] for b in batches]).tolist() == list(range(6))
     assert len(dm.paths) == 6 and dm.paths == sorted(dm.paths)  # seeded subset, in order
     again = FrolicDataModule("unlabeled", root=str(image_folder), limit=6, preprocess=TO_TENSOR)
@@ -268,3 +276,70 @@ def test_frolic_datamodule_errors(image_folder: Path, tmp_path: Path) -> None:
         ImageFolderDataModule(str(image_folder), batch_size=0)
     with pytest.raises(DatasetNotFoundError, match="one sub-folder per class"):
         ImageFolderDataModule(str(tmp_path))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_unreadable_file_becomes_a_flagged_placeholder(image_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    shutil.copytree(image_folder, folder)
+    corrupt = folder / "green_circle" / "img_03.png"
+    corrupt.write_bytes(b"not an image")
+    dataset = IndexedDataset(ImageFolder(str(folder)), transform=TO_TENSOR)
+    index = [p for p, _ in dataset.dataset.samples].index(str(corrupt))
+    item = dataset[index]
+    assert item["label"] == -1 and item["index"] == index
+    assert item["error"].startswith("unreadable image: UnidentifiedImageError: cannot identify")
+    assert str(corrupt) in item["error"]
+    assert item["image"].shape == (3, 32, 32) and not bool(item["image"].any())
+    batch = next(iter(DataLoader(dataset, batch_size=21)))  # collates with the good ones
+    assert batch["error"][index] == item["error"] and batch["label"][index] == -1
+    assert sum(bool(e) for e in batch["error"]) == 1
+    with pytest.raises(UnidentifiedImageError):
+        IndexedDataset(ImageFolder(str(folder)), TO_TENSOR, skip_unreadable=False)[index]
+
+
+def test_class_names_must_be_a_list_of_strings(image_folder: Path) -> None:
+    with pytest.raises(TypeError, match=r"Expected `class_names` to be a list .* got str 'catdog'"):
+        ImageFolderDataModule(str(image_folder), labeled=False, class_names="catdog")
+    with pytest.raises(TypeError, match=r"Expected `class_names` to be a list .* got str 'abc'"):
+        ImageFolderDataModule(str(image_folder), class_names="abc")  # 3 letters, 3 folders
+
+
+def test_fewer_samples_than_processes_fails_before_the_sampler(image_folder: Path) -> None:
+    dm = ImageFolderDataModule(str(image_folder), limit=1, num_workers=0, preprocess=TO_TENSOR)
+    dm.trainer = SimpleNamespace(world_size=2, num_devices=2)
+    with pytest.raises(FrolicInputError, match=r"N >= world size 2\), but the dataset has N=1"):
+        dm.predict_dataloader()
+
+
+def test_num_workers_default_to_what_the_machine_has(image_folder: Path) -> None:
+    dm = ImageFolderDataModule(str(image_folder), preprocess=TO_TENSOR)
+    cpus = len(os.sched_getaffinity(0))
+    assert dm.num_workers is None
+    assert dm.predict_dataloader().num_workers == default_num_workers() == min(8, max(1, cpus - 1))
+    assert default_num_workers(devices_per_node=cpus) == 1
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert not any("num_workers" in path.read_text() for path in configs.glob("*.yaml"))
+
+
+def test_failed_download_names_the_root_and_leaves_no_empty_folder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    def offline(*args, **kwargs):
+        raise URLError("no internet")
+
+    monkeypatch.setattr(eurosat_module, "download_and_extract_archive", offline)
+    root = tmp_path / "data"
+    with pytest.raises(DatasetNotFoundError) as info:
+        build_dataset("eurosat", root, download=True)
+    message = str(info.value)
+    assert f"pass --data.root '{root}'" in message and str(root / "eurosat" / "2750") in message
+    assert "parent" not in message
+    assert not root.exists()  # the attempt created data/eurosat/ and removed it again
+    (root / "keep.txt").parent.mkdir()
+    (root / "keep.txt").write_text("mine")
+    with pytest.raises(DatasetNotFoundError):
+        build_dataset("eurosat", root, download=True)
+    assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]  # the user's folder stays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import frolic_tta
+import frolic_tta.lightning.module as module_file
 from frolic_tta import FrolicModule, FrolicPredictionWriter, join_predictions
+from frolic_tta.clip.loading import WeightsNotFoundError
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.data import IndexedDataset
 from frolic_tta.lightning.writer import concat_outputs
@@ -24,13 +27,13 @@ TEMPLATES = ["a photo of a {}."]
 
 
 def make_module(tiny_clip, **kwargs) -> FrolicModule:
-    return FrolicModule(
+    defaults = dict(
         model_name=tiny_clip.model_name,
         pretrained=str(tiny_clip.checkpoint_path),
         class_names=CLASS_NAMES,
         templates=TEMPLATES,
-        **kwargs,
     )
+    return FrolicModule(**{**defaults, **kwargs})
 
 
 def make_trainer(**kwargs) -> L.Trainer:
@@ -248,3 +251,122 @@ def test_padding_distributed_sampler_is_detected(tiny_clip, tmp_path):
     result = run_ddp_script(tiny_clip, 17, tmp_path, "pad")
     assert result.returncode != 0
     assert "Frolic saw 18 samples over all ranks but the dataset has 17" in result.stderr
+
+
+# ---------------------------------------------------------------- bad input, re-use, checkpoints
+
+
+def test_metrics_of_a_labelled_run_do_not_survive_an_unlabelled_one(tiny_clip):
+    module = make_module(tiny_clip)
+    trainer = make_trainer()
+    trainer.predict(module, loader(24))
+    assert "acc/f_d" in module.metrics_ and module.samples_["labelled"] == 24
+    trainer.predict(module, loader(24, labeled=False))
+    assert module.metrics_ == {} and module.samples_["labelled"] == 0
+    assert float(module.class_probability_["after"].sum()) == pytest.approx(1.0)
+
+
+def test_class_names_must_be_a_list_and_fail_before_weights_load(tiny_clip, tmp_path):
+    with pytest.raises(TypeError, match=r"Expected `class_names` to be a list .* got str 'catdog'"):
+        FrolicModule(
+            model_name=tiny_clip.model_name,
+            pretrained=str(tmp_path / "missing.pt"),  # would fail later: the names fail first
+            class_names="catdog",
+        )
+    with pytest.raises(TypeError, match="Expected `class_names` to hold strings, but got int 3"):
+        make_module(tiny_clip, class_names=["cat", 3])
+
+
+class SomeLabelled(GeneratedImages):
+    """Labels only in batches 1 and 3 (of 8): the first batch has none."""
+
+    def __getitem__(self, index: int):
+        image, label = super().__getitem__(index)
+        return image, (label if (index // 8) % 2 == 1 else None)
+
+
+def test_labels_in_only_some_batches_are_kept_and_scored(tiny_clip):
+    module = make_module(tiny_clip)
+    data = DataLoader(IndexedDataset(SomeLabelled(32)), batch_size=8)
+    with pytest.warns(UserWarning, match="16 of the 32 usable samples carry no label"):
+        out = concat_outputs(make_trainer().predict(module, data))
+    labelled = (torch.arange(32) // 8) % 2 == 1
+    expected = torch.where(labelled, torch.arange(32) % 3, torch.tensor(-1))
+    assert torch.equal(out["target"], expected)  # none dropped, none invented
+    correct = int((out["prediction"][labelled] == out["target"][labelled]).sum())
+    assert module.metrics_["acc/f_d"] == correct / 16
+    assert module.samples_["labelled"] == 16
+
+
+def test_forward_gives_the_adapted_logits_or_says_why_not(tiny_clip, single_101):
+    fresh = make_module(tiny_clip)
+    images = next(iter(loader(101)))["image"]
+    with pytest.raises(RuntimeError, match="no adapted head yet: run trainer.predict"):
+        fresh(images)
+    module, out, _ = single_101
+    with torch.no_grad():
+        torch.testing.assert_close(module(images), out["logits"][:8], rtol=1e-5, atol=1e-4)
+
+
+def test_accuracies_are_exact_ratios(single_101):
+    module, out, _ = single_101
+    for key, value in module.metrics_.items():
+        if key.startswith("acc/"):
+            assert value * 101 == pytest.approx(round(value * 101), abs=1e-9), key
+            assert value == round(value * 101) / 101, key  # no float32 noise
+
+
+def test_checkpoints_self_contained_or_head_only(tiny_clip, tmp_path, monkeypatch):
+    weights = tmp_path / "weights.pt"
+    shutil.copy(tiny_clip.checkpoint_path, weights)
+    module = make_module(tiny_clip, pretrained=str(weights))
+    trainer = make_trainer()
+    out = concat_outputs(trainer.predict(module, loader(30)))
+    full, small = tmp_path / "full.ckpt", tmp_path / "head_only.ckpt"
+    trainer.save_checkpoint(full)
+    module.hparams.save_clip_weights = False
+    trainer.save_checkpoint(small)
+    assert small.stat().st_size < full.stat().st_size / 3
+    head_only = FrolicModule.load_from_checkpoint(small)  # the weights file is still there
+    torch.testing.assert_close(head_only.head.beta, module.head.beta)
+    weights.unlink()
+    fresh = tmp_path / "elsewhere"
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a self-contained checkpoint must not read or download weights")
+
+    monkeypatch.setattr(module_file, "load_open_clip", no_weights)
+    restored = FrolicModule.load_from_checkpoint(full)
+    restored.reuse_head = True
+    again = concat_outputs(make_trainer().predict(restored, loader(30)))
+    torch.testing.assert_close(again["logits"], out["logits"], rtol=1e-5, atol=1e-4)
+    assert not restored.adapted_
+    monkeypatch.undo()
+    with pytest.raises(WeightsNotFoundError, match="weights.pt"):
+        FrolicModule.load_from_checkpoint(small)  # head-only: needs the weights it names
+
+
+def test_head_file_scores_without_adapting_and_checks_what_it_gets(tiny_clip, tmp_path):
+    module = make_module(tiny_clip)
+    trainer = make_trainer()
+    out = concat_outputs(trainer.predict(module, loader(30)))
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    scorer = FrolicModule(
+        model_name=tiny_clip.model_name,
+        pretrained=str(tiny_clip.checkpoint_path),
+        templates=TEMPLATES,
+        head_file=str(path),
+    )
+    assert scorer.class_names == CLASS_NAMES and scorer.reuse_head
+    new = concat_outputs(make_trainer().predict(scorer, loader(30)))
+    torch.testing.assert_close(new["logits"], out["logits"], rtol=1e-5, atol=1e-4)
+    assert not scorer.adapted_ and scorer.metrics_ == {}
+    with pytest.raises(ValueError, match=r"Expected `class_names` to be the 3 classes of the head"):
+        make_module(tiny_clip, class_names=["a", "b"], head_file=str(path))
+    with pytest.raises(FileNotFoundError, match="head file .* does not exist"):
+        make_module(tiny_clip, head_file=str(tmp_path / "nope.pt"))
+    with pytest.raises(ValueError, match="Expected a stored head with `reuse_head`=True"):
+        make_trainer().predict(make_module(tiny_clip, reuse_head=True), loader(6))

@@ -14,10 +14,8 @@ r"""Loading a frozen open_clip model, with errors that say how to fix them.
 
 With ``hf-hub:`` and ``local-dir:`` the weights come with the name and ``pretrained`` is ignored.
 
-**Offline.** Weights (and a Hub tokenizer) already in the Hugging Face cache are loaded without
-contacting the Hub. Otherwise ``HF_HUB_OFFLINE`` is honoured and the Hub is probed once, with a
-:data:`PROBE_TIMEOUT_S` timeout, before open_clip downloads anything: a machine without internet
-gets one line within seconds instead of a minute of retry warnings.
+**Offline.** The Hugging Face cache first, then one fast probe of the Hub, then one line
+(:mod:`frolic_tta.clip.hub`).
 
 **Temperature.** :func:`model_temperature` is the model's own zero-shot temperature
 :math:`\tau_c = 1/\exp(\text{logit\_scale})` (0.01 for OpenAI CLIP, the paper's value).
@@ -26,40 +24,33 @@ gets one line within seconds instead of a minute of retry warnings.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
-import logging
 import math
 import os
-import ssl
-import urllib.error
-import urllib.request
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import open_clip
 import torch
-from huggingface_hub import constants as hub_constants
-from huggingface_hub import try_to_load_from_cache
 from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
 
+from frolic_tta.clip.hub import (
+    HF_HUB,
+    LOCAL_DIR,
+    WEIGHT_SUFFIXES,
+    WeightsNotFoundError,
+    cached_file,
+    check_dependencies,
+    fix_hint,
+    hub_files,
+    model_config,
+    quiet_hub,
+    require_hub,
+    weight_files,
+)
 from frolic_tta.options import check_positive
-
-HF_HUB = "hf-hub:"
-LOCAL_DIR = "local-dir:"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
-"""Weight files open_clip finds in a ``local-dir:`` folder."""
-PROBE_TIMEOUT_S = 5.0
-"""Seconds the one connectivity probe waits for the Hub before giving up."""
-_REACHABLE: dict[str, bool] = {}
-HubFile = tuple[str, tuple[str, ...]]
-"""``(repo_id, filenames)``: a file open_clip fetches from the Hub (the first cached one wins)."""
-
-
-class WeightsNotFoundError(RuntimeError):
-    """open_clip could not find or download the requested weights (or what loads with them)."""
 
 
 def suggest(value: str, choices: Iterable[str]) -> str:
@@ -202,125 +193,13 @@ def model_temperature(model: torch.nn.Module) -> float:
     return math.exp(-log_scale)
 
 
-# ---------------------------------------------------------------------------- network
-def hub_offline_requested() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` is set (in the environment or huggingface_hub's constants)."""
-    value = os.environ.get("HF_HUB_OFFLINE", "")
-    return bool(hub_constants.HF_HUB_OFFLINE) or value.upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def can_reach(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether ``url`` answers a HEAD request within ``timeout`` s (any HTTP status; cached)."""
-    if url not in _REACHABLE:
-        request = urllib.request.Request(url, method="HEAD")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout):
-                pass
-            reachable = True
-        except urllib.error.HTTPError:
-            reachable = True  # the server answered
-        except urllib.error.URLError as error:
-            reachable = isinstance(error.reason, ssl.SSLError)  # answered, certificate aside
-        except (OSError, ValueError):
-            reachable = False
-        _REACHABLE[url] = reachable
-    return _REACHABLE[url]
-
-
-@contextmanager
-def _hub(offline: bool) -> Iterator[None]:
-    """Hub retry warnings silenced; with ``offline``, no request leaves (cache only)."""
-    logger = logging.getLogger("huggingface_hub")
-    level, flag, env = logger.level, hub_constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
-    logger.setLevel(logging.ERROR)
-    if offline:
-        hub_constants.HF_HUB_OFFLINE = True
-        os.environ["HF_HUB_OFFLINE"] = "1"  # for transformers (Hub tokenizers)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        hub_constants.HF_HUB_OFFLINE = flag
-        if env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = env
-
-
-def _cached(file: HubFile, cache_dir: str | None) -> str | None:
-    repo_id, filenames = file
-    for filename in filenames:
-        found = try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir)
-        if isinstance(found, str):
-            return found
-    return None
-
-
-def _weight_files(repo_id: str, filename: str = HF_WEIGHTS_NAME) -> HubFile:
-    """open_clip tries the ``.safetensors`` twin of a weight file first."""
-    if filename == HF_WEIGHTS_NAME:
-        return repo_id, (HF_SAFE_WEIGHTS_NAME, filename)
-    if filename.endswith((".bin", ".pth")):
-        return repo_id, (filename[:-4] + ".safetensors", filename)
-    return repo_id, (filename,)
-
-
-def _model_config(name: str, cache_dir: str | None) -> dict[str, Any] | None:
-    """The model config, without any download (``None`` for an uncached ``hf-hub:`` name)."""
-    if name.startswith(HF_HUB):
-        path = _cached((name[len(HF_HUB) :], (HF_CONFIG_NAME,)), cache_dir)
-        return json.loads(Path(path).read_text()).get("model_cfg") if path else None
-    return open_clip.get_model_config(name)
-
-
-def _hub_files(name: str, tag_cfg: dict[str, Any], config: dict[str, Any] | None) -> list[HubFile]:
-    """Every Hub file open_clip (and a Hub tokenizer) will fetch for this model."""
-    files: list[HubFile] = []
-    if name.startswith(HF_HUB):
-        repo_id = name[len(HF_HUB) :]
-        files += [(repo_id, (HF_CONFIG_NAME,)), _weight_files(repo_id)]
-    elif tag_cfg.get("hf_hub") and "file" not in tag_cfg:
-        repo_id, filename = os.path.split(tag_cfg["hf_hub"])
-        files.append(_weight_files(repo_id, filename or HF_WEIGHTS_NAME))
-    tokenizer = (config or {}).get("text_cfg", {}).get("hf_tokenizer_name")
-    if tokenizer and not name.startswith(LOCAL_DIR):  # local-dir: tokenizer files in the folder
-        files.append((tokenizer, ("tokenizer_config.json",)))
-    return files
-
-
-def _check_dependencies(name: str, config: dict[str, Any] | None) -> None:
-    text_cfg = (config or {}).get("text_cfg", {})
-    needs = text_cfg.get("hf_tokenizer_name") or text_cfg.get("hf_model_name")
-    if needs and importlib.util.find_spec("transformers") is None:
-        raise WeightsNotFoundError(
-            f"open_clip model {name!r} needs the `transformers` package for its Hugging Face "
-            f"tokenizer or text tower ({needs!r}): pip install transformers"
-        )
-
-
-def _require_hub(name: str, pretrained: str | None, cache_dir: str | None) -> None:
-    """Raise one line at once if the Hub cannot be used; else return (open_clip downloads)."""
-    if hub_offline_requested():
-        reason = "HF_HUB_OFFLINE is set"
-    elif not can_reach(hub_constants.ENDPOINT):
-        reason = f"{hub_constants.ENDPOINT} cannot be reached (no internet?)"
-    else:
-        return
-    cache = cache_dir or hub_constants.HF_HUB_CACHE
-    if pretrained is None:
-        what = f"the files of {name!r} are"
-    else:
-        what = f"weights {pretrained!r} of open_clip model {name!r} are"
-    raise WeightsNotFoundError(
-        f"{what} not in the local cache ({cache}) and {reason}; run once with internet (the "
-        f"cache is then used offline), or {_fix(name)}"
-    )
-
-
-def _fix(name: str) -> str:
-    if name.startswith(HF_HUB):
-        return "copy the repository into a folder: --model.model_name local-dir:/path/to/folder"
-    return "pass --model.pretrained /path/to.ckpt"
+def _activation_options(name: str, tag_cfg: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI weights were trained with QuickGELU; open_clip's plain ``"ViT-B-16"`` config uses
+    GELU and only warns. Build the activation the tag was trained with."""
+    model_cfg = open_clip.get_model_config(name) or {}
+    if tag_cfg.get("quick_gelu", False) and not model_cfg.get("quick_gelu", False):
+        return {"force_quick_gelu": True}
+    return {}
 
 
 def load_open_clip(
@@ -352,11 +231,7 @@ def load_open_clip(
     else:
         pretrained = resolve_pretrained(name, pretrained)
         tag_cfg = open_clip.get_pretrained_cfg(name, pretrained) if pretrained else {}
-        # OpenAI weights were trained with QuickGELU; open_clip's plain "ViT-B-16" config uses
-        # GELU and only warns. Build the activation the tag was trained with.
-        model_cfg = open_clip.get_model_config(name) or {}
-        if tag_cfg.get("quick_gelu", False) and not model_cfg.get("quick_gelu", False):
-            options["force_quick_gelu"] = True
+        options = _activation_options(name, tag_cfg)
     if name.startswith(LOCAL_DIR):
         folder = Path(name[len(LOCAL_DIR) :])
         if not any(p.suffix in WEIGHT_SUFFIXES for p in folder.iterdir()):
@@ -364,15 +239,15 @@ def load_open_clip(
                 f"'local-dir:' folder {str(folder)!r} has {HF_CONFIG_NAME} but no weight file "
                 f"({', '.join(WEIGHT_SUFFIXES)}); open_clip would build random weights"
             )
-    config = _model_config(name, cache_dir)
-    _check_dependencies(name, config)
-    files = _hub_files(name, tag_cfg, config)
-    missing = [file for file in files if _cached(file, cache_dir) is None]
+    config = model_config(name, cache_dir)
+    check_dependencies(name, config)
+    files = hub_files(name, tag_cfg, config)
+    missing = [file for file in files if cached_file(file, cache_dir) is None]
     if missing:
-        _require_hub(name, pretrained, cache_dir)
+        require_hub(name, pretrained, cache_dir)
     extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
     try:
-        with _hub(offline=not missing) if files else nullcontext():
+        with quiet_hub(offline=not missing) if files else nullcontext():
             model, _, preprocess = open_clip.create_model_and_transforms(
                 name, pretrained=pretrained, **options, **extra
             )
@@ -382,12 +257,42 @@ def load_open_clip(
         tags = f", known tags: {open_clip.list_pretrained_tags_by_model(name)}" if tag_cfg else ""
         raise WeightsNotFoundError(
             f"could not load open_clip model {name!r} (weights {pretrained!r}{tags}); "
-            f"{_fix(name)}. open_clip said: {text}"
+            f"{fix_hint(name)}. open_clip said: {text}"
         ) from None
-    if name.startswith(HF_HUB) and _cached(_weight_files(name[len(HF_HUB) :]), cache_dir) is None:
+    if (
+        name.startswith(HF_HUB)
+        and cached_file(weight_files(name[len(HF_HUB) :]), cache_dir) is None
+    ):
         raise WeightsNotFoundError(
             f"{name!r} has no open_clip weights ({HF_SAFE_WEIGHTS_NAME} or {HF_WEIGHTS_NAME}); "
             "open_clip would build random weights"
         )
+    model.eval().requires_grad_(False)
+    return model, preprocess, tokenizer
+
+
+def load_open_clip_architecture(
+    model_name: str, pretrained: str | None
+) -> tuple[torch.nn.Module, Any, Any]:
+    """:func:`load_open_clip`'s model with *random* weights: nothing is read or downloaded.
+
+    For a checkpoint that carries the weights itself. The architecture and the preprocessing
+    are those ``pretrained`` implies (a tag's QuickGELU, mean/std, resize mode); a checkpoint
+    path implies nothing beyond ``model_name``. ``hf-hub:`` names need their config in the
+    Hugging Face cache, ``local-dir:`` names their folder.
+    """
+    name = resolve_model_name(model_name)
+    tag: dict[str, Any] = {}
+    if not name.startswith((HF_HUB, LOCAL_DIR)) and pretrained is not None:
+        tag = open_clip.get_pretrained_cfg(name, pretrained) or {}  # {} for a file
+    options = _activation_options(name, tag)
+    for key in ("mean", "std", "interpolation", "resize_mode"):
+        if key in tag:
+            options[f"image_{key}"] = tag[key]
+    with quiet_hub(offline=True):
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            name, pretrained=None, **options
+        )
+        tokenizer = open_clip.get_tokenizer(name)
     model.eval().requires_grad_(False)
     return model, preprocess, tokenizer

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 
@@ -21,11 +22,24 @@ from frolic_tta.data.indexed import (
     DatasetNotFoundError,
     IndexedDataset,
     UnlabeledImageFolder,
+    check_class_names,
     dataset_paths,
 )
 from frolic_tta.data.splits import load_dataset
+from frolic_tta.errors import FrolicInputError
 
-__all__ = ["FrolicDataModule", "ImageFolderDataModule"]
+__all__ = ["FrolicDataModule", "ImageFolderDataModule", "default_num_workers"]
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers(devices_per_node: int = 1) -> int:
+    """DataLoader workers when none are given: what this machine's CPUs allow per process.
+
+    Lightning's suggestion (CPUs available to this process // ``devices_per_node`` - 1, at least
+    1), at most :data:`MAX_DEFAULT_WORKERS`: neither Lightning nor PyTorch warns about it.
+    """
+    return min(MAX_DEFAULT_WORKERS, suggested_max_num_workers(max(1, devices_per_node)))
 
 
 class _IndexedDataModule(L.LightningDataModule):
@@ -37,22 +51,22 @@ class _IndexedDataModule(L.LightningDataModule):
         class_names: list[str] | None,
         labeled: bool,
         batch_size: int,
-        num_workers: int,
+        num_workers: int | None,
         limit: int | None,
         preprocess: Callable[[Any], Any] | None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 or None (automatic), got {num_workers}")
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive integer or None, got {limit}")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.preprocess = preprocess
         self.source = self._apply_limit(source, limit)
-        self.class_names: list[str] | None = list(class_names) if class_names is not None else None
+        self.class_names = check_class_names(class_names)
         #: Whether batches carry a ``"label"`` entry.
         self.labeled = labeled
         self.dataset: IndexedDataset | None = None
@@ -95,14 +109,25 @@ class _IndexedDataModule(L.LightningDataModule):
         self.dataset = IndexedDataset(self.source, self._resolve_transform())
 
     def predict_dataloader(self) -> DataLoader:
-        """Deterministic (unshuffled) loader over the whole source."""
+        """Deterministic (unshuffled) loader over the whole source.
+
+        Raises:
+            FrolicInputError: fewer samples than processes (Lightning's predict sampler needs at
+                least one per rank); decided on the same numbers on every rank.
+        """
         if self.dataset is None:
             self.setup("predict")
+        trainer = getattr(self, "trainer", None)
+        world_size = int(getattr(trainer, "world_size", 1) or 1)
+        check_samples_per_rank(len(self.source), world_size)  # type: ignore[arg-type]
+        workers = self.num_workers
+        if workers is None:
+            workers = default_num_workers(int(getattr(trainer, "num_devices", 1) or 1))
         return DataLoader(
             self.dataset,  # type: ignore[arg-type]
             batch_size=self.batch_size,
             shuffle=False,
-            num_workers=self.num_workers,
+            num_workers=workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
         )
@@ -112,14 +137,30 @@ class _IndexedDataModule(L.LightningDataModule):
         return self.predict_dataloader()
 
 
+def check_samples_per_rank(num_samples: int, world_size: int) -> None:
+    """Fail before any sampler is built when there are fewer samples than processes.
+
+    Raises:
+        FrolicInputError: ``num_samples < world_size``.
+    """
+    if num_samples < world_size:
+        raise FrolicInputError(
+            f"Expected at least one sample per process (N >= world size {world_size}), but the "
+            f"dataset has N={num_samples}; use fewer --trainer.devices or more data "
+            "(--data.limit)"
+        )
+
+
 def override_class_names(
     class_names: Sequence[str] | None, names: list[str], source: str
 ) -> list[str]:
     """The user's ``class_names`` if given (one per class of ``source``), else ``names``.
 
     Raises:
+        TypeError: ``class_names`` is not a list of strings.
         ValueError: ``class_names`` has a different length than ``names``.
     """
+    class_names = check_class_names(class_names)
     if class_names is None:
         return names
     if len(class_names) != len(names):
@@ -139,7 +180,8 @@ def _folder_source(
     except FileNotFoundError as exc:
         raise DatasetNotFoundError(
             f"image folder '{root}': {exc} Point --data.root at a folder with one sub-folder per "
-            f"class, or use labeled=False / dataset='unlabeled' for a flat folder."
+            "class, or, for images without class folders, pass --data.labeled false with "
+            "--data.class_names '[cat, dog, bird]'."
         ) from None
     names = [clean_class_name(c) for c in source.classes]
     return source, override_class_names(class_names, names, f"the class folders of '{root}'")
@@ -160,7 +202,8 @@ class FrolicDataModule(_IndexedDataModule):
             under ``root`` (see ``frolic_tta.data.splits``; ``split="all"`` skips it).
         image_dir: Folder the split file's paths are relative to (default: the file's folder).
         batch_size: Images per batch.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; ``None``: what the machine's CPUs allow
+            (:func:`default_num_workers`).
         limit: Keep only this many samples (a seeded random subset, in order).
         preprocess: Image transform; default: the LightningModule's ``.preprocess``.
         class_names: Override (or, for ``unlabeled``, supply) the class names.
@@ -175,7 +218,7 @@ class FrolicDataModule(_IndexedDataModule):
         split_file: str | None = None,
         image_dir: str | None = None,
         batch_size: int = 64,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         limit: int | None = None,
         preprocess: Callable[[Any], Any] | None = None,
         class_names: list[str] | None = None,
@@ -204,7 +247,8 @@ class ImageFolderDataModule(_IndexedDataModule):
         labeled: ``True``: ``torchvision.datasets.ImageFolder`` (labels and class names from
             the sub-folders); ``False``: every image under ``root``, without labels.
         batch_size: Images per batch.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; ``None``: what the machine's CPUs allow
+            (:func:`default_num_workers`).
         limit: Keep only this many samples (a seeded random subset, in order).
         preprocess: Image transform; default: the LightningModule's ``.preprocess``.
         class_names: Override (or, when unlabelled, supply) the class names.
@@ -215,7 +259,7 @@ class ImageFolderDataModule(_IndexedDataModule):
         root: str,
         labeled: bool = True,
         batch_size: int = 64,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         limit: int | None = None,
         preprocess: Callable[[Any], Any] | None = None,
         class_names: list[str] | None = None,

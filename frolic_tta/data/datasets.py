@@ -287,7 +287,7 @@ def _not_found(
     where = " or ".join(f"'{path / loc}'" for loc in spec.location) + spec.note
     if download:
         problem = f"could not be downloaded to {where} ({type(exc).__name__}: {exc})"
-        fix = "Download it by hand into that folder and point --data.root at its parent."
+        fix = f"Download it by hand so that it is there, and pass --data.root '{path}'."
     else:
         problem = f"not found: looked for {where}"
         fix = "Put the files there or point --data.root at the folder that holds them"
@@ -297,6 +297,15 @@ def _not_found(
             else f" ({spec.title} cannot be downloaded automatically)."
         )
     return DatasetNotFoundError(f"{spec.title} (dataset {spec.key!r}) {problem}. {fix}")
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed download created (``folders``, deepest first) if no file."""
+    for folder in folders:
+        if folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
+            for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                sub.rmdir()
+            folder.rmdir()
 
 
 def build_dataset(
@@ -326,6 +335,8 @@ def build_dataset(
         )
     path = Path(root).expanduser()
     download = download and spec.downloadable
+    tops = sorted({path / Path(location).parts[0] for location in spec.location})
+    folders = [p for p in (*tops, path) if download and not p.exists()]
     try:
         dataset, class_names = spec.build(path, split, download)
     except DatasetNotFoundError:
@@ -333,8 +344,10 @@ def build_dataset(
     except RuntimeError as exc:
         if not _MISSING.search(str(exc)):
             raise
+        _remove_if_empty(folders)
         raise _not_found(spec, path, download, exc) from None
     except OSError as exc:  # FileNotFoundError from folders, URLError from failed downloads
+        _remove_if_empty(folders)
         raise _not_found(spec, path, download, exc) from None
     if spec.splits is None and split != "all":
         warnings.warn(

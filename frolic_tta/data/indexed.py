@@ -1,70 +1,166 @@
 """Dataset wrappers that produce the batch contract of the Frolic LightningModule.
 
-Every item the module sees is a dict ``{"image": Tensor, "index": int}`` plus ``"label": int``
-when the source is labelled; ``index`` is the position of the sample in the wrapped dataset, so
-per-sample outputs can be matched back to files (see :func:`dataset_paths`).
+Every item the module sees is a dict ``{"image": Tensor, "index": int, "error": str}`` plus
+``"label": int`` when the source is labelled; ``index`` is the position of the sample in the
+wrapped dataset, so per-sample outputs can be matched back to files (see :func:`dataset_paths`).
+
+**Unreadable files.** A file that cannot be read or decoded (missing, truncated, not an image)
+does not stop a long run: :class:`IndexedDataset` returns a blank placeholder of the right shape
+with ``"error"`` set to the reason (``""`` for a good sample) and ``"label"`` -1, and
+:class:`~frolic_tta.FrolicModule` leaves it out of the adaptation and reports it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 __all__ = [
+    "UNREADABLE_ERRORS",
     "DatasetNotFoundError",
     "IndexedDataset",
     "SplitFileDataset",
     "UnlabeledImageFolder",
+    "check_class_names",
     "dataset_paths",
 ]
+
+UNREADABLE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,  # missing file, PIL's UnidentifiedImageError, "image file is truncated"
+    SyntaxError,  # PIL: "broken PNG file", "not a TIFF file"
+    EOFError,
+    ValueError,  # PIL: "Decompressed Data Too Large", "tile cannot extend outside image"
+    Image.DecompressionBombError,
+    zlib.error,
+    struct.error,
+)
+"""What reading and decoding one image may raise for a bad *file* (not for a bad program)."""
+
+_PROBES = 16  # neighbours tried for the shape of a placeholder
 
 
 class DatasetNotFoundError(FileNotFoundError):
     """Raised when the files of a dataset are not where they were looked for."""
 
 
+def check_class_names(class_names: Any, name: str = "class_names") -> list[str] | None:
+    """``class_names`` as a new list of strings, or ``None``.
+
+    Raises:
+        TypeError: a single string (``"catdog"`` would be six classes) or anything but a list
+            (or tuple) of strings.
+    """
+    if class_names is None:
+        return None
+    if isinstance(class_names, str) or not isinstance(class_names, list | tuple):
+        raise TypeError(
+            f"Expected `{name}` to be a list of class names such as ['cat', 'dog'], but got "
+            f"{type(class_names).__name__} {class_names!r:.80}"
+        )
+    wrong = [c for c in class_names if not isinstance(c, str)]
+    if wrong:
+        raise TypeError(
+            f"Expected `{name}` to hold strings, but got {type(wrong[0]).__name__} {wrong[0]!r:.40}"
+        )
+    return list(class_names)
+
+
+def _blank_like(image: Any) -> Any:
+    """A black image of the same shape and type (tensor or PIL image)."""
+    if isinstance(image, torch.Tensor):
+        return torch.zeros_like(image)
+    if isinstance(image, Image.Image):
+        return Image.new(image.mode, image.size)
+    raise TypeError(f"Expected a tensor or PIL image to copy the shape of, but got {type(image)}")
+
+
 class IndexedDataset(Dataset):
-    """Wrap a map-style dataset so that items become ``{"image", "index"[, "label"]}`` dicts.
+    """Wrap a map-style dataset so that items become ``{"image", "index", "error"[, "label"]}``.
 
     Args:
         dataset: Any map-style dataset whose items are ``(image, label)`` pairs or bare images.
             A pair whose label is ``None`` counts as unlabelled.
         transform: Applied to the image (e.g. open_clip's eval preprocess); ``None`` keeps it.
+        skip_unreadable: When loading or transforming an item raises one of
+            :data:`UNREADABLE_ERRORS`, return a blank placeholder (the shape of a readable
+            neighbour) with ``"error"`` = the reason and ``"label"`` = -1, instead of raising.
     """
 
-    def __init__(self, dataset: Dataset, transform: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        transform: Callable[[Any], Any] | None = None,
+        skip_unreadable: bool = True,
+    ) -> None:
         self.dataset = dataset
         self.transform = transform
+        self.skip_unreadable = skip_unreadable
+        self._paths: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def _load(self, index: int) -> tuple[Any, Any]:
+        """``(transformed image, label or None)`` of one item; raises what loading raises."""
         item = self.dataset[index]
         label = None
         if isinstance(item, tuple | list):
             if len(item) != 2:
-                raise ValueError(
+                raise TypeError(
                     f"expected dataset items to be an image or an (image, label) pair, "
                     f"got a {type(item).__name__} of length {len(item)} at index {index}"
                 )
-            image, label = item
-        else:
-            image = item
-        out: dict[str, Any] = {
-            "image": self.transform(image) if self.transform is not None else image,
-            "index": int(index),
-        }
+            item, label = item
+        return (self.transform(item) if self.transform is not None else item), label
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        try:
+            image, label = self._load(index)
+        except UNREADABLE_ERRORS as error:
+            if not self.skip_unreadable:
+                raise
+            return self._placeholder(index, error)
+        out: dict[str, Any] = {"image": image, "index": int(index), "error": ""}
         if label is not None:
             out["label"] = int(label)
         return out
+
+    def _placeholder(self, index: int, error: BaseException) -> dict[str, Any]:
+        """A blank item flagged with the reason; its shape and keys come from a neighbour."""
+        reason = f"unreadable image: {type(error).__name__}: {error}".strip()
+        path = self._path(index)
+        if path is not None and path not in reason:
+            reason += f" ({path})"
+        n = len(self)
+        for offset in range(1, min(n, _PROBES + 1)):
+            try:
+                image, label = self._load((index + offset) % n)
+            except UNREADABLE_ERRORS:
+                continue
+            out: dict[str, Any] = {"image": _blank_like(image), "index": int(index)}
+            out["error"] = reason
+            if label is not None:
+                out["label"] = -1
+            return out
+        raise RuntimeError(
+            f"sample {index} is unreadable ({reason}) and so are its {min(n - 1, _PROBES)} "
+            "neighbours: check the dataset's files"
+        ) from error
+
+    def _path(self, index: int) -> str | None:
+        if self._paths is None:
+            self._paths = dataset_paths(self.dataset) or []
+        return self._paths[index] if index < len(self._paths) else None
 
     @property
     def paths(self) -> list[str] | None:

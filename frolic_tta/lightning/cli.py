@@ -6,11 +6,14 @@
 * takes :class:`~frolic_tta.FrolicModule` as ``model`` and any ``LightningDataModule`` with a
   ``class_names`` attribute as ``data`` (default :class:`~frolic_tta.data.FrolicDataModule`, so
   ``--data.dataset eurosat`` works without ``--data FrolicDataModule``);
-* links ``data.class_names`` to ``model.class_names`` when the datamodule is instantiated;
+* links ``data.class_names`` to ``model.class_names`` when the datamodule is instantiated (or
+  takes them from ``--model.head_file``);
 * adds ``--output_dir`` (also the Trainer's ``default_root_dir``, where ``config.yaml`` is saved
   and overwritten on a re-run) and always registers :class:`~frolic_tta.report.FrolicReport`
   there (options under ``--report.*``);
-* turns missing data or weights into one error line and a non-zero exit (:func:`main`).
+* checks what is cheap to check (options, templates, prompts file, head file, ``ckpt_path``,
+  ``limit_predict_batches``, samples per process) before data, weights or DDP processes;
+* turns user errors into one error line and exit status 2 (:func:`main`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
+from frolic_tta.clip.prompts import load_descriptions, resolve_templates
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
+from frolic_tta.data.datamodules import check_samples_per_rank
+from frolic_tta.errors import FrolicInputError
+from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
@@ -50,7 +58,8 @@ def require_class_names(class_names: list[str] | None) -> list[str]:
         raise ValueError(
             "Expected the datamodule to provide at least 2 class names, but got "
             f"{class_names!r}. An unlabeled folder has none: pass them with "
-            "--data.class_names '[cat, dog, bird]'"
+            "--data.class_names '[cat, dog, bird]', or, if the folder has one sub-folder per "
+            "class, use --data.labeled true (names and labels from the sub-folders)"
         )
     return list(class_names)
 
@@ -118,10 +127,16 @@ class FrolicCLI(LightningCLI):
         parser.link_arguments(
             "data.class_names",
             "model.class_names",
-            compute_fn=require_class_names,
+            compute_fn=self._model_class_names,
             apply_on="instantiate",
         )
         parser.set_defaults({"data": {"class_path": "frolic_tta.data.FrolicDataModule"}})
+
+    def _model_class_names(self, class_names: list[str] | None) -> list[str]:
+        """The link's compute function: the data's class names, else the head file's."""
+        if class_names is None and getattr(self, "_head_class_names", None):
+            return list(self._head_class_names)
+        return require_class_names(class_names)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -129,14 +144,64 @@ class FrolicCLI(LightningCLI):
         config = (
             self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         )
-        model = config.get("model", {})
-        options = model.get("options")
         try:
-            if options is not None:
-                FrolicOptions(**dict(options))
-            check_tau_c(model.get("tau_c", "model"))
-        except (TypeError, ValueError) as error:
+            self._check_config(config)
+        except (TypeError, ValueError, FileNotFoundError) as error:
             raise FrolicCLIError(str(error)) from error
+
+    def _check_config(self, config: Any) -> None:
+        model = config.get("model") or {}
+        if model.get("options") is not None:
+            FrolicOptions(**dict(model["options"]))
+        check_tau_c(model.get("tau_c", "model"))
+        resolve_templates(model.get("templates", "openai"))
+        if model.get("prompts_file"):
+            load_descriptions(model["prompts_file"])
+        self._head_class_names = None
+        if model.get("head_file"):
+            self._head_class_names = read_head_file(model["head_file"])[1]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path:
+            self._check_ckpt_path(str(ckpt_path))
+        if model.get("reuse_head") and not (model.get("head_file") or ckpt_path):
+            raise FrolicInputError(
+                "Expected a stored head with --model.reuse_head true, but none is given (a new "
+                "process has no head): pass --model.head_file outputs/<run>/head.pt"
+            )
+        trainer = config.get("trainer") or {}
+        limit = trainer.get("limit_predict_batches")
+        if limit is not None and not isinstance(limit, bool) and limit <= 0:
+            raise FrolicInputError(
+                f"Expected --trainer.limit_predict_batches > 0, but got {limit}: nothing would "
+                "be predicted (for a smaller run use --data.limit N)"
+            )
+
+    @staticmethod
+    def _check_ckpt_path(ckpt_path: str) -> None:
+        try:
+            keys = peek_checkpoint(ckpt_path)
+        except FileNotFoundError:
+            raise FrolicInputError(
+                f"Expected --ckpt_path to be a Lightning checkpoint, but there is no file at "
+                f"'{ckpt_path}'"
+            ) from None
+        except FrolicInputError:  # not plain tensors: let Lightning read it
+            return
+        if "pytorch-lightning_version" not in keys:
+            raise FrolicInputError(
+                f"Expected --ckpt_path to be a Lightning checkpoint, but '{ckpt_path}' is not "
+                "one; to score with the head.pt of a run pass it as --model.head_file"
+            )
+
+    @override
+    def before_predict(self) -> None:
+        """Fewer samples than processes: stop before any process is launched."""
+        source = getattr(self.datamodule, "source", None)
+        if source is not None:
+            try:
+                check_samples_per_rank(len(source), self.trainer.world_size)
+            except FrolicInputError as error:
+                raise FrolicCLIError(str(error)) from error
 
     @override
     def instantiate_classes(self) -> None:
@@ -153,10 +218,13 @@ def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
     A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
-    is printed as ``error: ...`` on stderr and exits with status 2, without a traceback.
+    or a :class:`~frolic_tta.errors.FrolicInputError` raised during predict (too many unreadable
+    images, a stored head that does not fit) is printed as ``error: ...`` on stderr (by rank 0)
+    and exits with status 2, without a traceback.
     """
     try:
         FrolicCLI(args=args)
-    except FrolicCLIError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except (FrolicCLIError, FrolicInputError) as error:
+        if rank_zero_only.rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -3,10 +3,10 @@ r"""FrolicModule: Frolic on a frozen open_clip model inside ``trainer.predict``.
 **Two-phase predict.** ``trainer.predict(model, loader)`` runs one predict epoch:
 
 1. *Encode* (``predict_step``, once per batch): the image encoder runs once per image; the
-   L2-normalised features are cached on this rank (``N_rank x d``) and added to the float64
-   :class:`~frolic_tta.stats.FrolicMoments` sums. The step returns CPU *placeholders*
-   (``logits`` NaN, ``prediction`` -1, plus ``index`` and ``target``). No collective is called
-   per batch.
+   L2-normalised features of usable samples are cached on this rank (``N_rank x d``) and added
+   to the float64 :class:`~frolic_tta.metrics.FrolicMoments` sums. The step returns CPU
+   *placeholders* (``logits`` NaN, ``prediction`` -1, plus ``index``, ``valid`` and ``target``).
+   No collective is called per batch.
 2. *Finalize* (``on_predict_batch_end`` of this rank's last batch, known in advance from the
    public ``trainer.num_predict_batches``): the moment sums are all-reduced (torchmetrics
    sync), the GDA head, :math:`\\tau_g` and :math:`\\beta` are fitted with
@@ -21,25 +21,32 @@ what ``trainer.predict`` returns and what an *epoch*-interval
 writer would see placeholders (NaN logits, prediction -1), because no prediction is final before
 the rank's last batch: use ``write_interval="epoch"``.
 
+**Bad samples and labels.** An unreadable file or non-finite features skip that sample only
+(policy in :mod:`frolic_tta.lightning.samples`); samples without a label (-1, or a batch without
+``"label"``) are adapted on and predicted, and accuracy counts the labelled ones.
+
 **DDP contract.** Lightning's predict sampler (``UnrepeatedDistributedSamplerWrapper``) does not
 pad, so ranks may differ by one batch; a collective inside ``predict_step`` would deadlock. Each
 rank finalizes exactly once, after its own last batch, and every collective in finalize is
 decided on all-reduced values, so every rank calls the same collectives in the same order.
-The global sample count must equal the dataset length (a padding ``DistributedSampler`` or
-``use_distributed_sampler=False`` is detected) and N must be at least the world size.
+The global count of samples (used + skipped) must equal the dataset length (a padding
+``DistributedSampler`` or ``use_distributed_sampler=False`` is detected) unless the Trainer
+limits the batches (``limit_predict_batches``, ``fast_dev_run``): then Frolic adapts on the
+samples seen and warns.
 
 **Precision.** Features are cached in float32 and the statistics are float64 under any Trainer
 precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is created after the
 precision plugin has converted the module, and finalize runs with autocast disabled.
 
-**Attributes after predict.** ``head`` (:class:`~frolic_tta.FrolicHead`), ``metrics_`` (accuracy
-of every Table 3/4 row when batches carry labels, plus ``tau_g``), ``class_probability_``
-(``"before"``/``"after"``: per-class mean predicted probability of :math:`f_f` and :math:`f_d`
-over the whole dataset, the paper's Fig. 1c/d), ``images_encoded``.
+**Attributes after predict** (reset when the next predict starts): ``head``
+(:class:`~frolic_tta.FrolicHead`), ``metrics_`` (accuracy of every Table 3/4 row when samples
+carry labels, plus ``tau_g``), ``class_probability_`` (``"before"``/``"after"``: per-class mean
+predicted probability of :math:`f_f` and :math:`f_d`, the paper's Fig. 1c/d), ``samples_``
+(counts over all ranks), ``skipped_`` (this rank's), ``adapted_``, ``images_encoded``.
 
-**Re-use.** After adaptation ``f_d(x) = A x + c`` (:meth:`adapted_classifier`); it is saved in
-checkpoints. With ``reuse_head=True`` a later ``predict`` scores batches with the stored head
-in one phase (no statistics, no re-adaptation); set it back to ``False`` to re-adapt.
+**Re-use.** ``module(images)`` gives the adapted head's logits :math:`f_d`. With ``head_file`` (a
+run's ``head.pt`` or a checkpoint), or ``reuse_head=True`` after a predict, ``predict`` scores
+with the stored head in one phase (no re-adaptation). Checkpoints: :mod:`.checkpoint`.
 """
 
 from __future__ import annotations
@@ -49,20 +56,34 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip.loading import check_tau_c, load_open_clip, model_temperature
-from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
+from frolic_tta.clip.loading import (
+    check_tau_c,
+    load_open_clip,
+    load_open_clip_architecture,
+    model_temperature,
+)
+from frolic_tta.clip.prompts import (
+    build_class_prompts,
+    encode_prototypes,
+    load_descriptions,
+    resolve_templates,
+)
+from frolic_tta.data.indexed import check_class_names
+from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicClassifier, FrolicHead
+from frolic_tta.lightning import checkpoint as ckpt
+from frolic_tta.lightning import samples
 from frolic_tta.metrics import FrolicMoments, row_accuracies, update_row_accuracies
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
 from frolic_tta.rows import RowContext, build_rows
 
 
-class FrolicModule(L.LightningModule):
+class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
     r"""Frolic test-time adaptation of a frozen open_clip model.
 
     Args:
@@ -71,7 +92,7 @@ class FrolicModule(L.LightningModule):
             (see :mod:`frolic_tta.clip.loading`).
         pretrained: open_clip tag (``"openai"``), local checkpoint path, or ``None``; ignored
             for ``hf-hub:``/``local-dir:`` names, which bring their weights.
-        class_names: the K class names, in label order.
+        class_names: the K class names, in label order (a list, not one string).
         templates: ``"openai"`` (80), ``"simple"`` (7), a dataset key, or a list of ``"{}"``
             templates.
         prompts_file: CuPL-style JSON (class name -> sentences), ensembled per class.
@@ -85,7 +106,13 @@ class FrolicModule(L.LightningModule):
         ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
         return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
             any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
-        reuse_head: score with the stored head instead of re-adapting, if one exists.
+        reuse_head: score with the stored head instead of re-adapting (an error if there is
+            none: pass ``head_file`` or predict once first).
+        head_file: a run's ``head.pt`` or a checkpoint saved after predict: score with its head,
+            no adaptation (implies ``reuse_head``); its class names are used if none are given.
+        save_clip_weights: checkpoints carry the CLIP weights (self-contained) or only the head.
+        max_skipped_fraction: largest share of samples that may be skipped (unreadable file or
+            non-finite features) before the run stops with an error.
         text_batch_size: prompts per text-encoder forward.
         chunk_size: rows per chunk in finalize (``None``: about 2M logits per chunk).
     """
@@ -102,6 +129,9 @@ class FrolicModule(L.LightningModule):
         ablations: bool = True,
         return_logits: bool = True,
         reuse_head: bool = False,
+        head_file: str | None = None,
+        save_clip_weights: bool = True,
+        max_skipped_fraction: float = 0.05,
         text_batch_size: int = 256,
         chunk_size: int | None = None,
     ) -> None:
@@ -110,16 +140,35 @@ class FrolicModule(L.LightningModule):
         # the CLI (and load_from_checkpoint) hand over a dict; hparams keep plain values
         self.options = options if isinstance(options, FrolicOptions) else FrolicOptions(**options)
         self.hparams["options"] = asdict(self.options)
-        fixed_tau_c = check_tau_c(tau_c)  # a bad value fails before any weights load
-        self.clip, self.preprocess, self.tokenizer = load_open_clip(model_name, pretrained)
-        self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
-        self.class_names = list(class_names) if class_names is not None else None
-        self.reuse_head = reuse_head
+        fixed_tau_c = check_tau_c(tau_c)  # bad values fail before any weights load
+        self.class_names = check_class_names(class_names)
+        resolve_templates(templates)  # a bad key or file fails here, before any weights load
+        if prompts_file is not None:
+            load_descriptions(prompts_file)
+        samples.check_fraction(max_skipped_fraction)
         self.head: FrolicHead | None = None
+        if head_file is not None:
+            self.head, names = ckpt.read_head_file(head_file)
+            self.class_names = ckpt.head_class_names(self.head, self.class_names, names)
+        self.reuse_head = reuse_head or head_file is not None
+        if save_clip_weights and ckpt.loading_checkpoint():  # the checkpoint has the weights
+            loaded = load_open_clip_architecture(model_name, pretrained)
+        else:
+            loaded = load_open_clip(model_name, pretrained)
+        self.clip, self.preprocess, self.tokenizer = loaded
+        self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
+        ckpt.check_head_dim(self.head, self.clip, model_name)
+        self.images_encoded = 0
+        self._reset_run()
+        self._reset_epoch()
+
+    def _reset_run(self) -> None:
         self.metrics_: dict[str, float] = {}
         self.class_probability_: dict[str, Tensor] = {}
-        self.images_encoded = 0
-        self._reset_epoch()
+        self.samples_: dict[str, Any] = {}
+        self.skipped_: list[dict[str, Any]] = []
+        self.adapted_ = False
+        self.partial_ = False
 
     def _reset_epoch(self) -> None:
         self._features: list[Tensor] = []
@@ -132,7 +181,7 @@ class FrolicModule(L.LightningModule):
     def build_prototypes(self) -> Tensor:
         """Encode class names x templates (and descriptions) into ``(K, d)`` unit prototypes."""
         if not self.class_names or len(self.class_names) < 2:
-            raise ValueError(
+            raise FrolicInputError(
                 "Expected `class_names` with at least 2 classes, but got "
                 f"{self.class_names!r}; pass --model.class_names or a datamodule with class_names"
             )
@@ -157,21 +206,36 @@ class FrolicModule(L.LightningModule):
         features = self.clip.encode_image(images).float()
         return features / features.norm(dim=1, keepdim=True)
 
+    @override
+    def forward(self, images: Tensor) -> Tensor:
+        """``(n, K)`` logits :math:`f_d` of the adapted head for preprocessed ``images``."""
+        if self.head is None:
+            raise RuntimeError(
+                "FrolicModule has no adapted head yet: run trainer.predict(module, data) first, "
+                "or build it with head_file='outputs/<run>/head.pt'"
+            )
+        return self.head.score(self.encode_images(images))
+
     @staticmethod
-    def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None, list[str] | None]:
         if not isinstance(batch, dict) or "image" not in batch or "index" not in batch:
             raise ValueError(
                 "Expected each batch to be a dict with 'image' and 'index' (and optionally "
                 f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
             )
-        return batch["image"], batch["index"], batch.get("label")
+        return batch["image"], batch["index"], batch.get("label"), batch.get("error")
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_predict_start(self) -> None:
         self._reset_epoch()
-        if self.reuse_head and self.head is not None:
-            return
+        self._reset_run()
+        if self.reuse_head and self.head is None:
+            raise FrolicInputError(
+                "Expected a stored head with `reuse_head`=True, but this module has none (a "
+                "fresh process re-adapts otherwise): pass --model.head_file outputs/<run>/head.pt"
+                ", or set --model.reuse_head false to adapt"
+            )
         loaders = self.trainer.predict_dataloaders
         loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
         if len(loaders) != 1:
@@ -179,36 +243,49 @@ class FrolicModule(L.LightningModule):
         num_batches = self.trainer.num_predict_batches[0]
         if num_batches == float("inf"):
             raise ValueError("Expected a predict dataloader with a length (map-style dataset)")
-        dataset_length = len(loaders[0].dataset)
-        if dataset_length < self.trainer.world_size:
-            raise ValueError(
-                "Expected at least one sample per rank (N >= world size "
-                f"{self.trainer.world_size}), but the dataset has N={dataset_length}"
+        self._dataset_length = len(loaders[0].dataset)
+        self.partial_ = int(num_batches) < len(loaders[0])  # limit_predict_batches, fast_dev_run
+        world = self.trainer.world_size
+        expected = samples.expected_local_samples(
+            self._dataset_length, world, int(num_batches), loaders[0].batch_size
+        )
+        self._skipped = samples.SkippedSamples(self.hparams.max_skipped_fraction, expected)
+        self.skipped_ = self._skipped.records
+        if self.reuse_head:
+            return
+        if self._dataset_length < world:
+            raise FrolicInputError(
+                f"Expected at least one sample per rank (N >= world size {world}), but the "
+                f"dataset has N={self._dataset_length}"
             )
-        self._dataset_length = dataset_length
         self._last_batch = int(num_batches) - 1
         self._prototypes = self.build_prototypes()
         self.moments = FrolicMoments(self._prototypes, self.tau_c).to(self.device)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
-        images, index, labels = self._unpack(batch)
+        images, index, labels, errors = self._unpack(batch)
         features = self.encode_images(images)
-        output: dict[str, Tensor] = {"index": index.detach().cpu()}
+        valid, reasons = samples.sample_validity(features, errors)
+        self._skipped.add(index.detach().cpu(), reasons)
+        output: dict[str, Tensor] = {"index": index.detach().cpu(), "valid": valid}
         if labels is not None:
             output["target"] = labels.detach().cpu()
-        if self.reuse_head and self.head is not None:
-            return self._fill(output, self.head.score(features))
-        with torch.autocast(self.device.type, enabled=False):
-            self.moments.update(features)
-        self._features.append(features)
-        if labels is not None:
-            self._labels.append(labels.detach())
-        n, k = features.shape[0], self._prototypes.shape[0]
+        mask = valid.to(features.device)
+        n = features.shape[0]
+        k = self.head.prototypes.shape[0] if self.reuse_head else self._prototypes.shape[0]
         if self.hparams.return_logits:
-            output["logits"] = torch.full((n, k), float("nan"))
+            output["logits"] = torch.full((n, k), float("nan"), dtype=torch.float32)
         output["prediction"] = torch.full((n,), -1, dtype=torch.long)
-        output["confidence"] = torch.full((n,), float("nan"))
+        output["confidence"] = torch.full((n,), float("nan"), dtype=torch.float32)
+        if self.reuse_head:
+            return self._fill(output, self.head.score(features[mask]))
+        with torch.autocast(self.device.type, enabled=False):
+            self.moments.update(features[mask])
+        self._features.append(features[mask])
+        if labels is None:
+            labels = torch.full((n,), -1, dtype=torch.long)
+        self._labels.append(labels.detach().to(features.device)[mask])
         self._outputs.append(output)
         return output
 
@@ -226,30 +303,30 @@ class FrolicModule(L.LightningModule):
         return reduced.to(tensor.device)
 
     def _fill(self, output: dict[str, Tensor], logits: Tensor) -> dict[str, Tensor]:
-        probs = torch.softmax(logits.float(), dim=1)
-        confidence, prediction = probs.max(1)
-        values = {"logits": logits, "prediction": prediction, "confidence": confidence}
-        for key, value in values.items():
-            if key == "logits" and not self.hparams.return_logits:
-                continue
-            value = value.detach().cpu()
-            if key in output:
-                output[key].copy_(value)
-            else:
-                output[key] = value.to(torch.float32) if key == "logits" else value
+        """Write ``logits`` of the valid rows (and their prediction, confidence) in place."""
+        valid = output["valid"]
+        confidence, prediction = torch.softmax(logits.float(), dim=1).max(1)
+        output["prediction"][valid] = prediction.detach().cpu()
+        output["confidence"][valid] = confidence.detach().cpu().float()
+        if "logits" in output:
+            output["logits"][valid] = logits.detach().cpu().to(torch.float32)
         return output
+
+    def _count(self, used: Tensor) -> dict[str, int]:
+        """Counts over all ranks (one all-reduce; every rank gets the same numbers)."""
+        labels = torch.cat(self._labels) if self._labels else torch.zeros(0)
+        local = [len(self._skipped.records), int((labels >= 0).sum()), int(self.partial_)]
+        local.append(sum(o["index"].numel() for o in self._outputs))
+        reduced = self._reduce(torch.tensor(local, dtype=torch.float64)).round().long().tolist()
+        counts = dict(zip(("skipped", "labelled", "partial", "seen"), reduced, strict=True))
+        return {**counts, "used": int(round(float(used)))}
 
     def finalize(self) -> None:
         r"""All-reduce, fit the head, :math:`\tau_g`, :math:`\beta`, and fill the outputs."""
         sums = self.moments.compute()  # synced over the process group
-        total = int(round(float(sums.count)))
-        if total != self._dataset_length:
-            raise RuntimeError(
-                f"Frolic saw {total} samples over all ranks but the dataset has "
-                f"{self._dataset_length}: the sampler duplicated or skipped samples (a "
-                "DistributedSampler pads to equal shards, and use_distributed_sampler=False "
-                "gives every rank all data). Let Lightning set the predict sampler."
-            )
+        counts = self._count(sums.count)
+        samples.check_counts(counts, self._dataset_length, self._skipped)
+        self.partial_, used = bool(counts["partial"]), counts["used"]
         features = torch.cat(self._features)
         hp = self.hparams
         fit = fit_frolic(
@@ -267,7 +344,7 @@ class FrolicModule(L.LightningModule):
         probability = torch.zeros(2, log_beta.shape[0], dtype=torch.float64)
         start = 0
         for output in self._outputs:
-            n = output["prediction"].shape[0]
+            n = int(output["valid"].sum())
             if fit.logits is not None:
                 logits = fit.logits[start : start + n]
             else:
@@ -278,13 +355,22 @@ class FrolicModule(L.LightningModule):
             start += n
         probability = self._reduce(probability) / sums.count.cpu()
         self.class_probability_ = {"before": probability[0], "after": probability[1]}
-        has_labels = len(self._labels) == len(self._outputs)
-        if has_labels and hp.ablations:
-            self._evaluate(features, torch.cat(self._labels), sums)
+        self.samples_ = {"dataset_length": self._dataset_length, "used": used, **counts}
+        if counts["labelled"] and hp.ablations:
+            if counts["labelled"] < used:
+                rank_zero_warn(
+                    f"{used - counts['labelled']} of the {used} usable samples carry no label: "
+                    f"accuracy is computed on the {counts['labelled']} that do"
+                )
+            self._evaluate(features, torch.cat(self._labels), sums, counts["labelled"])
         self._features, self._labels = [], []
+        self.adapted_ = True
 
-    def _evaluate(self, features: Tensor, labels: Tensor, sums: Any) -> None:
+    def _evaluate(self, features: Tensor, labels: Tensor, sums: Any, total: int) -> None:
         hp = self.hparams
+        keep = labels >= 0
+        if not bool(keep.all()):
+            features, labels = features[keep], labels[keep]
         ctx = RowContext(
             self.head, sums, features, self.options, labels, self._reduce, hp.chunk_size
         )
@@ -292,34 +378,21 @@ class FrolicModule(L.LightningModule):
         metrics = row_accuracies(len(self.class_names)).to(self.device)
         update_row_accuracies(metrics, rows, features, labels.to(self.device), hp.chunk_size)
         computed = metrics.compute()  # torchmetrics syncs over the process group
-        self.metrics_ = {key: float(value) for key, value in computed.items()}
+        self.metrics_ = {key: samples.exact_ratio(float(v), total) for key, v in computed.items()}
         self.metrics_.update(
             tau_g=self.head.tau_g,
             beta_max_over_min=float(self.head.beta.max() / self.head.beta.min()),
         )
         if self.trainer.logger is not None:
             self.trainer.logger.log_metrics(self.metrics_, step=0)
-        rank_zero_info(
-            "Frolic accuracy: " + ", ".join(f"{k}={v:.4f}" for k, v in self.metrics_.items())
-        )
 
     # ------------------------------------------------------------------ re-use
     def adapted_classifier(self) -> FrolicClassifier:
         r"""The adapted classifier :math:`f_d(x) = A (x - \mu) + c` on normalised features.
 
-        A :class:`~frolic_tta.core.FrolicClassifier` (``nn.Module``); ``self.head.to_linear()``
+        A :class:`~frolic_tta.head.FrolicClassifier` (``nn.Module``); ``self.head.to_linear()``
         gives a plain ``nn.Linear`` computing :math:`A x + c'`.
         """
         if self.head is None:
             raise RuntimeError("FrolicModule has not been adapted yet: run trainer.predict first")
         return self.head.to_module()
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.head is not None:
-            checkpoint["frolic_head"] = self.head.state_dict()
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "frolic_head" in checkpoint:
-            self.head = FrolicHead.from_state_dict(checkpoint["frolic_head"])

@@ -4,15 +4,21 @@ After the predict epoch, rank 0 joins the per-rank prediction files (written by 
 :class:`~frolic_tta.callbacks.FrolicPredictionWriter`) and writes, in ``output_dir``:
 
 * ``metrics.json``: dataset, split, model, N, K, :math:`\tau_g`, the spread of :math:`\hat\beta`,
-  accuracy of every Table 3/4 row (labelled data only), and per-class :math:`\hat\beta` and mean
-  predicted probability before/after debiasing.
-* ``predictions.csv``: ``index, path, prediction, confidence[, target]`` (class names).
-* ``logits.pt``: the joined tensors (``index``, ``logits``, ``prediction``, ``confidence``,
-  ``target``) and ``class_names``.
+  accuracy of every Table 3/4 row (labelled data only; exact ratios over ``num_evaluated``
+  samples), per-class :math:`\hat\beta` and mean predicted probability before/after
+  debiasing, the ``skipped`` samples (index, path, reason) and ``notes`` (a partial run, a
+  stored head, samples without labels).
+* ``predictions.csv``: ``index, path, prediction, confidence[, target], skipped`` (class names;
+  a skipped sample has an empty prediction and its reason under ``skipped``).
+* ``logits.pt``: the joined tensors (``index``, ``valid``, ``logits``, ``prediction``,
+  ``confidence``, ``target``), ``skipped`` and ``class_names``.
 * ``head.pt``: the adapted head (``frolic_head``, :meth:`frolic_tta.FrolicHead.state_dict`) and
   ``classifier`` (state dict of the :class:`~frolic_tta.FrolicClassifier`
   :math:`f_d(x) = A(x - \mu) + c` on L2-normalised image features).
 * ``class_probability.png`` (the paper's Fig. 1c/d) and ``beta.png``.
+
+The terminal table is printed when the predict stage has ended (``teardown``), below the closed
+progress bar, not into it.
 """
 
 from __future__ import annotations
@@ -20,14 +26,12 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor
-from tqdm import tqdm
 from typing_extensions import override
 
 from frolic_tta.data.indexed import dataset_paths
@@ -83,9 +87,11 @@ class FrolicReport(FrolicPredictionWriter):
         self.print_table = print_table
         #: The summary written to ``metrics.json`` (rank 0, after predict).
         self.summary: dict[str, Any] = {}
+        self._table_due = False
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.summary, self._table_due = {}, False
         if trainer.is_global_zero:
             for stale in self.output_dir.glob("predictions_rank*.pt"):
                 stale.unlink()
@@ -103,10 +109,14 @@ class FrolicReport(FrolicPredictionWriter):
         if not self.keep_shards:
             shutil.rmtree(self.output_dir, ignore_errors=True)
 
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._table_due:  # the progress bar has closed: the table gets lines of its own
+            self._table_due = False
+            print(format_table(self.summary), flush=True)
+
     # ------------------------------------------------------------------ writing
-    def write(
-        self, trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Tensor]
-    ) -> None:
+    def write(self, trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Any]) -> None:
         """Write every report file from the joined predictions and the adapted module."""
         head = getattr(module, "head", None)
         if head is None:
@@ -129,7 +139,7 @@ class FrolicReport(FrolicPredictionWriter):
             },
             out / "head.pt",
         )
-        self.summary = self._summary(trainer, module, joined, names)
+        self.summary = self._summary(trainer, module, joined, names, paths)
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         probability = getattr(module, "class_probability_", {})
         if self.plots:
@@ -139,50 +149,65 @@ class FrolicReport(FrolicPredictionWriter):
                     probability["before"], probability["after"], names, out, title
                 )
             plot_beta(head.beta, names, out, title)
-        if self.print_table:
-            tqdm.write(format_table(self.summary), file=sys.stdout)  # above a live bar
+        self._table_due = self.print_table
 
     @staticmethod
     def _write_csv(
-        path: Path, joined: dict[str, Tensor], names: list[str], paths: list[str] | None
+        path: Path, joined: dict[str, Any], names: list[str], paths: list[str] | None
     ) -> None:
         has_target = "target" in joined
+        n = joined["index"].numel()
+        valid = joined.get("valid", torch.ones(n, dtype=torch.bool)).tolist()
+        targets = joined["target"].tolist() if has_target else [-1] * n
+        reasons = {s["index"]: s["reason"] for s in joined.get("skipped", [])}
         with path.open("w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
-            writer.writerow(
-                ["index", "path", "prediction", "confidence"] + (["target"] if has_target else [])
-            )
+            header = ["index", "path", "prediction", "confidence"]
+            writer.writerow(header + (["target"] if has_target else []) + ["skipped"])
             rows = zip(
                 joined["index"].tolist(),
                 joined["prediction"].tolist(),
                 joined["confidence"].tolist(),
+                valid,
+                targets,
                 strict=True,
             )
-            targets = joined["target"].tolist() if has_target else None
-            for i, (index, prediction, confidence) in enumerate(rows):
-                row = [
-                    index,
-                    paths[index] if paths is not None else "",
-                    names[prediction],
-                    f"{confidence:.6f}",
-                ]
-                if targets is not None:
-                    row.append(names[targets[i]])
+            for index, prediction, confidence, ok, target in rows:
+                row = [index, paths[index] if paths is not None else ""]
+                row += [names[prediction], f"{confidence:.6f}"] if ok else ["", ""]
+                if has_target:
+                    row.append(names[target] if target >= 0 else "")
+                row.append("" if ok else reasons.get(index, "skipped"))
                 writer.writerow(row)
 
     @staticmethod
     def _summary(
-        trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Tensor], names: list[str]
+        trainer: L.Trainer,
+        module: L.LightningModule,
+        joined: dict[str, Any],
+        names: list[str],
+        paths: list[str] | None,
     ) -> dict[str, Any]:
         head = module.head
         beta = head.beta.double().cpu()
         hparams = getattr(module, "hparams", {})
         datamodule = getattr(trainer, "datamodule", None)
+        n = int(joined["index"].numel())
+        valid = joined.get("valid", torch.ones(n, dtype=torch.bool))
+        target = joined.get("target", torch.full((n,), -1))
+        evaluated = valid & (target >= 0)
+        num_evaluated = int(evaluated.sum())
         metrics = dict(getattr(module, "metrics_", {}))
         accuracy = {row: metrics[metric_key(row)] for row in ROWS if metric_key(row) in metrics}
-        if not accuracy and "target" in joined:  # ablations off: the final head only
-            correct = (joined["prediction"] == joined["target"]).double().mean()
-            accuracy = {"f_d": float(correct)}
+        if not accuracy and num_evaluated:  # ablations off or a stored head: f_d only
+            correct = int((joined["prediction"][evaluated] == target[evaluated]).sum())
+            accuracy = {"f_d": correct / num_evaluated}
+        skipped = [
+            {"index": s["index"], "path": paths[s["index"]] if paths else None} | s
+            for s in joined.get("skipped", [])
+        ]
+        dataset = _loader_dataset(trainer)
+        length = len(dataset) if dataset is not None else n
         probability = getattr(module, "class_probability_", {})
         return {
             "dataset": getattr(datamodule, "dataset_name", None) or "custom",
@@ -190,11 +215,14 @@ class FrolicReport(FrolicPredictionWriter):
             "model": _short(hparams.get("model_name")),
             "model_name": hparams.get("model_name"),
             "pretrained": hparams.get("pretrained"),
-            "num_samples": int(joined["index"].numel()),
+            "num_samples": n,
+            "dataset_length": length,
             "num_classes": len(names),
             "world_size": trainer.world_size,
-            "labelled": "target" in joined,
+            "labelled": num_evaluated > 0,
+            "num_evaluated": num_evaluated,
             "accuracy": accuracy,
+            "adapted": bool(getattr(module, "adapted_", True)),
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
             "beta": {
@@ -203,15 +231,49 @@ class FrolicReport(FrolicPredictionWriter):
                 "max_over_min": float(beta.max() / beta.min()),
                 "std_log": float(beta.log().std()) if beta.numel() > 1 else 0.0,
             },
+            "skipped": skipped,
+            "notes": _notes(joined, n, length, len(skipped), num_evaluated, module),
             "per_class": {
                 "class_names": names,
                 "beta": beta.tolist(),
                 **{
-                    f"probability_{key}": value.double().cpu().tolist()
+                    f"probability_{key}": [_round(v) for v in value.double().cpu().tolist()]
                     for key, value in probability.items()
                 },
             },
         }
+
+
+def _round(value: float) -> float:
+    """Six significant digits: a mean of float32 probabilities carries no more."""
+    return float(f"{value:.6g}")
+
+
+def _notes(
+    joined: dict[str, Any],
+    n: int,
+    length: int,
+    skipped: int,
+    evaluated: int,
+    module: L.LightningModule,
+) -> list[str]:
+    """What a reader of the numbers must know: partial run, stored head, skipped samples."""
+    notes = []
+    if joined.get("partial"):
+        notes.append(
+            f"partial run: the Trainer stopped after some batches (limit_predict_batches / "
+            f"fast_dev_run); adapted on and predicted {n} of {length} samples"
+        )
+    if not getattr(module, "adapted_", True):
+        notes.append("scored with a stored head (head_file / reuse_head): no adaptation")
+    if skipped:
+        notes.append(
+            f"{skipped} sample(s) skipped (unreadable file or non-finite features): no "
+            "prediction; see 'skipped' in metrics.json"
+        )
+    if evaluated and evaluated < n:
+        notes.append(f"accuracy on the {evaluated} of {n} samples with a label and a prediction")
+    return notes
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -238,4 +300,5 @@ def format_table(summary: dict[str, Any]) -> str:
         f"max/min {beta['max_over_min']:.3g}, std(log beta) {beta['std_log']:.3g} "
         f"(uniform = {1 / max(summary['num_classes'], 1):.4g})"
     )
+    lines += [f"  note: {note}" for note in summary.get("notes", [])]
     return "\n".join(lines)

@@ -12,21 +12,52 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 from typing_extensions import override
 
-KEYS = ("index", "prediction", "confidence", "logits", "target")
+KEYS = ("index", "valid", "prediction", "confidence", "logits", "target")
+FILL = {"target": -1, "valid": True}
+"""Value of a per-sample key that some batches (or ranks) lack: no label, not skipped."""
+
+
+def _concat(parts: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
+    """Concatenate per-sample tensors key by key; a key that some parts lack is filled with
+    :data:`FILL` (labels in only some batches: target -1 for the others)."""
+    merged: dict[str, Tensor] = {}
+    for key in KEYS:
+        if not any(key in p for p in parts):
+            continue
+        if key not in FILL and not all(key in p for p in parts):
+            raise ValueError(f"Expected every batch to carry {key!r} or none, but some lack it")
+        merged[key] = torch.cat(
+            [p[key] if key in p else torch.full_like(p["index"], FILL[key]) for p in parts]
+        )
+    if "valid" in merged:
+        merged["valid"] = merged["valid"].bool()
+    return merged
 
 
 def concat_outputs(outputs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Concatenate per-batch FrolicModule outputs key by key."""
-    if not outputs:
-        return {}
-    return {key: torch.cat([o[key] for o in outputs]) for key in KEYS if key in outputs[0]}
+    """Concatenate per-batch FrolicModule outputs key by key (``target`` -1 where a batch had
+    no labels)."""
+    return _concat(list(outputs)) if outputs else {}
+
+
+def predict_is_partial(trainer: L.Trainer) -> bool:
+    """Whether the Trainer stops this rank's predict loop early (``limit_predict_batches``,
+    ``fast_dev_run``)."""
+    loaders = trainer.predict_dataloaders
+    loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
+    try:
+        return int(trainer.num_predict_batches[0]) < len(loader)
+    except (TypeError, IndexError, OverflowError):  # no length: nothing to compare with
+        return False
 
 
 class FrolicPredictionWriter(BasePredictionWriter):
     """Writes ``predictions_rank{r}.pt`` per rank at the end of the predict epoch.
 
-    Each file holds the concatenated ``index`` (global dataset index), ``prediction``,
-    ``confidence``, ``logits`` (if returned) and ``target`` (if labelled) of that rank.
+    Each file holds the concatenated ``index`` (global dataset index), ``valid`` (False for a
+    skipped sample), ``prediction``, ``confidence``, ``logits`` (if returned) and ``target`` (if
+    labelled; -1 for a sample without label), plus ``skipped`` (the module's ``skipped_``:
+    index and reason) and ``partial`` (the Trainer limited the batches).
     :func:`join_predictions` merges the files of a (multi-node) job and checks that every index
     appears exactly once.
 
@@ -54,19 +85,24 @@ class FrolicPredictionWriter(BasePredictionWriter):
         outputs = (
             predictions[0] if predictions and isinstance(predictions[0], list) else predictions
         )
-        merged = concat_outputs(list(outputs))
+        merged: dict[str, Any] = concat_outputs(list(outputs))
         merged["world_size"] = torch.tensor(trainer.world_size)
+        merged["skipped"] = list(getattr(pl_module, "skipped_", []))
+        merged["partial"] = predict_is_partial(trainer)
         torch.save(merged, self.output_dir / f"predictions_rank{trainer.global_rank}.pt")
 
 
-def join_predictions(
-    output_dir: str | Path, dataset_length: int | None = None
-) -> dict[str, Tensor]:
+def join_predictions(output_dir: str | Path, dataset_length: int | None = None) -> dict[str, Any]:
     """Merge ``predictions_rank*.pt`` into one dict sorted by global index.
 
+    The per-sample tensors (``index``, ``valid``, ``prediction``, ...) are concatenated and
+    sorted; ``skipped`` (``{"index", "reason"}`` per skipped sample) is merged, sorted by index;
+    ``partial`` is True when the Trainer limited the batches of any rank (then ``dataset_length``
+    is not required to be covered).
+
     Raises:
-        ValueError: a missing rank file, an index seen twice, or (with ``dataset_length``) an
-            index missing.
+        ValueError: a missing rank file, an index seen twice, or (with ``dataset_length``, in a
+            run that was not limited) an index missing.
     """
     files = sorted(Path(output_dir).glob("predictions_rank*.pt"))
     if not files:
@@ -77,13 +113,18 @@ def join_predictions(
         raise ValueError(
             f"Expected {world_size} rank files in {str(output_dir)!r}, found {len(parts)}"
         )
-    merged = {k: torch.cat([p[k] for p in parts]) for k in KEYS if k in parts[0]}
+    merged: dict[str, Any] = _concat(parts)
     order = torch.argsort(merged["index"])
     merged = {k: v[order] for k, v in merged.items()}
+    merged["skipped"] = sorted(
+        (s for p in parts for s in p.get("skipped", [])), key=lambda s: s["index"]
+    )
+    merged["partial"] = any(bool(p.get("partial", False)) for p in parts)
     index = merged["index"]
     if bool((index[1:] == index[:-1]).any()):
         raise ValueError("Expected every global index exactly once, but some appear twice")
-    if dataset_length is not None and not torch.equal(index, torch.arange(dataset_length)):
+    complete = dataset_length is not None and not merged["partial"]
+    if complete and not torch.equal(index, torch.arange(dataset_length)):
         raise ValueError(
             f"Expected indices 0..{dataset_length - 1} exactly once, "
             f"but got {index.numel()} indices"

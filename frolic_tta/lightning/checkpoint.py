@@ -1,0 +1,162 @@
+"""Files that carry an adapted head: the report's ``head.pt`` and Lightning checkpoints.
+
+* :func:`read_head_file` reads either one (both hold a top-level ``"frolic_head"``), for
+  ``FrolicModule(head_file=...)`` / ``--model.head_file``: score new images without adapting.
+* :class:`CheckpointHooks` (mixed into ``FrolicModule``): the head in every checkpoint; the
+  CLIP weights too (``save_clip_weights=True``: ``load_from_checkpoint`` builds the architecture
+  and reads no weight file, offline) or not (*head-only*, loaded from ``pretrained`` again).
+* :func:`peek_checkpoint` tells a Lightning checkpoint from a head file without reading the
+  tensors (memory-mapped), for the command line's early checks.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from frolic_tta.errors import FrolicInputError
+from frolic_tta.head import FrolicHead
+
+CLIP_PREFIX = "clip."
+"""State-dict prefix of the frozen open_clip model inside ``FrolicModule``."""
+_LOADING: ContextVar[bool] = ContextVar("frolic_loading_checkpoint", default=False)
+
+
+def loading_checkpoint() -> bool:
+    """Whether ``FrolicModule.load_from_checkpoint`` is building the module right now."""
+    return _LOADING.get()
+
+
+def peek_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The top-level dict of a ``torch.save`` file, memory-mapped (tensors are not read).
+
+    Raises:
+        FileNotFoundError: no such file.
+        FrolicInputError: not a ``torch.save`` dict.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"no file at '{file}'")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # a pickle that is not plain data, a truncated file, not torch
+        raise FrolicInputError(
+            f"Expected '{file}' to be a torch.save file of plain tensors, but reading it failed: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
+    if not isinstance(state, dict):
+        raise FrolicInputError(f"Expected '{file}' to hold a dict, but got {type(state).__name__}")
+    return state
+
+
+def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
+    """The adapted head stored in ``path`` and its class names (``None`` if not stored).
+
+    ``path`` is the ``head.pt`` of a finished run or a checkpoint saved after predict.
+
+    Raises:
+        FileNotFoundError: no such file.
+        FrolicInputError: the file holds no Frolic head.
+    """
+    try:
+        state = peek_checkpoint(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"head file '{path}' does not exist; pass the head.pt of a finished run "
+            "(outputs/<run>/head.pt) or a checkpoint saved after predict as --model.head_file"
+        ) from None
+    if "frolic_head" not in state:
+        raise FrolicInputError(
+            f"Expected `head_file` '{path}' to hold an adapted head (key 'frolic_head': the "
+            f"head.pt of a run or a checkpoint saved after predict), but it has keys "
+            f"{sorted(map(str, state))[:8]}"
+        )
+    head = FrolicHead.from_state_dict(
+        {k: v.clone() if isinstance(v, Tensor) else v for k, v in state["frolic_head"].items()}
+    )
+    names = state.get("class_names") or state.get("hyper_parameters", {}).get("class_names")
+    return head, list(names) if names is not None else None
+
+
+def drop_clip_weights(checkpoint: dict[str, Any]) -> None:
+    """Remove the frozen CLIP weights from a checkpoint's ``state_dict`` (in place)."""
+    state = checkpoint.get("state_dict", {})
+    for key in [k for k in state if k.startswith(CLIP_PREFIX)]:
+        del state[key]
+
+
+def restore_clip_weights(checkpoint: dict[str, Any], clip: torch.nn.Module) -> None:
+    """Put the weights of ``clip`` into a head-only checkpoint's ``state_dict`` (in place), so
+    that a strict ``load_state_dict`` finds every key."""
+    state = checkpoint.setdefault("state_dict", {})
+    if not any(k.startswith(CLIP_PREFIX) for k in state):
+        state.update({CLIP_PREFIX + k: v for k, v in clip.state_dict().items()})
+
+
+def head_class_names(
+    head: FrolicHead, given: list[str] | None, stored: list[str] | None
+) -> list[str]:
+    """The class names to use with a stored head: ``given`` if any, else ``stored``.
+
+    Raises:
+        FrolicInputError: none known, a count other than the head's K, or ``given`` differs
+            from the names stored with the head.
+    """
+    k = head.prototypes.shape[0]
+    names = given if given is not None else stored
+    if names is None or len(names) != k or (stored is not None and names != stored):
+        raise FrolicInputError(
+            f"Expected `class_names` to be the {k} classes of the head file, in its order "
+            f"({stored!r:.200}), but got {given!r:.200}"
+        )
+    return list(names)
+
+
+def check_head_dim(head: FrolicHead | None, clip: torch.nn.Module, model_name: str) -> None:
+    """Raise ``FrolicInputError`` when a stored head does not fit the model's feature dim."""
+    dim = getattr(getattr(clip, "visual", None), "output_dim", None)
+    if head is not None and isinstance(dim, int) and head.prototypes.shape[1] != dim:
+        raise FrolicInputError(
+            f"Expected a head for the {dim}-dim features of `model_name` {model_name!r}, but "
+            f"the head file's is for {head.prototypes.shape[1]}-dim features"
+        )
+
+
+class CheckpointHooks:
+    """``FrolicModule``'s checkpoint hooks (a mixin before ``LightningModule``)."""
+
+    hparams: Any
+    head: FrolicHead | None
+    clip: torch.nn.Module
+    reuse_head: bool
+    class_names: list[str] | None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``; a self-contained checkpoint (saved with
+        ``save_clip_weights=True``) builds the CLIP architecture without reading weights."""
+        token = _LOADING.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            _LOADING.reset(token)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.head is not None:
+            checkpoint["frolic_head"] = self.head.state_dict()
+        hparams = checkpoint.get("hyper_parameters", {})
+        hparams.update(head_file=None, reuse_head=self.reuse_head, class_names=self.class_names)
+        if not self.hparams.save_clip_weights:
+            drop_clip_weights(checkpoint)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "frolic_head" in checkpoint:
+            self.head = FrolicHead.from_state_dict(checkpoint["frolic_head"])
+        restore_clip_weights(checkpoint, self.clip)

@@ -1,0 +1,159 @@
+"""Which samples of a predict run are used, and what happens to the others.
+
+**Policy for bad samples** (a run may have encoded for hours when one appears):
+
+* An *unreadable file* (missing, truncated, not an image) becomes a blank placeholder in
+  :class:`~frolic_tta.data.IndexedDataset` with the reason in the batch's ``"error"``.
+* *Non-finite features* (NaN or inf from the encoder, or an all-zero feature vector) are found
+  right after encoding.
+
+Either sample is *skipped*: it is left out of the moments, of the fit and of the accuracy, and it
+gets prediction -1, NaN logits and confidence, and ``valid = False``. Every other sample gets
+its prediction as usual; nothing already encoded is thrown away. The first few are warned about
+as they come; all are listed (index, path, reason) in the report's ``metrics.json``. When more
+than ``max_skipped_fraction`` of the samples (and more than one) are skipped, the data (or the
+model) are broken, not a few files: the run stops with one error, on a rank as soon as its own
+share is exceeded, and after the last batch on the all-reduced counts.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from frolic_tta.errors import FrolicInputError
+
+NON_FINITE = "non-finite image features (NaN or inf from the encoder, or a zero vector)"
+WARN_FIRST = 5
+"""Skipped samples warned about one by one, per rank; the rest are only reported."""
+
+
+def check_fraction(value: float, name: str = "max_skipped_fraction") -> float:
+    """``value`` as a float in ``[0, 1]``.
+
+    Raises:
+        ValueError: not a finite number in ``[0, 1]``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"Expected `{name}` to be a number in [0, 1], but got {value!r}")
+    return float(value)
+
+
+def sample_validity(features: Tensor, errors: list[str] | None) -> tuple[Tensor, list[str]]:
+    """``(valid (n,) bool, reason per sample ('' when valid))`` of one encoded batch."""
+    reasons = [str(e) for e in errors] if errors is not None else [""] * features.shape[0]
+    finite = torch.isfinite(features).all(dim=1).cpu().tolist()
+    reasons = [
+        r if r else ("" if ok else NON_FINITE) for r, ok in zip(reasons, finite, strict=True)
+    ]
+    return torch.tensor([not r for r in reasons], dtype=torch.bool), reasons
+
+
+def exact_ratio(value: float, count: int) -> float:
+    """A float32 ratio ``correct / count`` as the exact float64 ratio (``count < 2**23``)."""
+    if count <= 0 or count >= 2**23:
+        return float(value)
+    return round(float(value) * count) / count
+
+
+class SkippedSamples:
+    """This rank's skipped samples and the early stop (see the module docstring).
+
+    Args:
+        max_fraction: largest share of skipped samples a run accepts.
+        expected: samples this rank is expected to see (for the early stop).
+    """
+
+    def __init__(self, max_fraction: float, expected: int) -> None:
+        self.max_fraction = max_fraction
+        self.expected = max(1, expected)
+        self.seen = 0
+        #: ``{"index": int, "reason": str}`` per skipped sample of this rank.
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, index: Tensor, reasons: list[str]) -> None:
+        """Record one batch (global ``index`` (n,), a reason per sample, ``''`` if valid).
+
+        Raises:
+            FrolicInputError: this rank's skipped samples exceed its share.
+        """
+        self.seen += len(reasons)
+        for i, reason in zip(index.tolist(), reasons, strict=True):
+            if not reason:
+                continue
+            self.records.append({"index": int(i), "reason": reason})
+            if len(self.records) <= WARN_FIRST:
+                more = " (further ones are only listed in the report)"
+                warnings.warn(
+                    f"Skipping sample {i}: {reason}; it gets no prediction"
+                    + (more if len(self.records) == WARN_FIRST else ""),
+                    UserWarning,
+                    stacklevel=3,
+                )
+        if len(self.records) > self.allowed(self.expected):
+            self.stop(len(self.records), self.seen, f"about {self.expected} on this rank")
+
+    def allowed(self, total: int) -> float:
+        """Skipped samples accepted among ``total``: the fraction, but at least one (unless the
+        fraction is 0): a single bad file never stops a run."""
+        limit = self.max_fraction * total
+        return max(limit, 1.0) if self.max_fraction > 0 else limit
+
+    def stop(self, skipped: int, seen: int, of: str) -> None:
+        """Raise the too-many-skipped error."""
+        first = self.records[0] if self.records else {"index": "?", "reason": "?"}
+        raise FrolicInputError(
+            f"Expected at most max_skipped_fraction={self.max_fraction:g} of the samples to be "
+            f"unusable, but {skipped} of {seen} seen ({of}) were skipped, e.g. sample "
+            f"{first['index']}: {first['reason']}. Fix the files (or the model), or raise "
+            "--model.max_skipped_fraction"
+        )
+
+    def check_total(self, skipped: int, seen: int) -> None:
+        """The same limit on all-reduced counts (every rank decides alike)."""
+        if skipped > self.allowed(seen):
+            self.stop(skipped, seen, "all ranks")
+
+
+def expected_local_samples(
+    dataset_length: int, world_size: int, num_batches: int, batch_size: int | None
+) -> int:
+    """Samples a rank will see: its shard, or fewer when the Trainer limits the batches."""
+    shard = math.ceil(dataset_length / max(1, world_size))
+    return min(shard, num_batches * batch_size) if batch_size else shard
+
+
+def check_counts(counts: dict[str, int], dataset_length: int, skipped: SkippedSamples) -> None:
+    """Checks on the all-reduced ``counts`` (``used``, ``skipped``, ``seen``, ``partial``).
+
+    Raises:
+        RuntimeError: a complete run whose ranks together saw other than ``dataset_length``
+            samples (a padding or missing distributed sampler).
+        FrolicInputError: too many skipped samples, or fewer than 2 usable ones.
+    """
+    seen = counts["used"] + counts["skipped"]
+    if not counts["partial"] and seen != dataset_length:
+        raise RuntimeError(
+            f"Frolic saw {seen} samples over all ranks but the dataset has {dataset_length}: "
+            "the sampler duplicated or skipped samples (a DistributedSampler pads to equal "
+            "shards, and use_distributed_sampler=False gives every rank all data). Let "
+            "Lightning set the predict sampler."
+        )
+    skipped.check_total(counts["skipped"], counts["seen"])
+    if counts["used"] < 2:
+        raise FrolicInputError(
+            f"Expected at least 2 usable samples to adapt on, but got {counts['used']} "
+            f"({counts['skipped']} skipped)"
+        )
+    if counts["partial"]:
+        rank_zero_warn(
+            f"Frolic adapted on the {counts['seen']} of {dataset_length} samples the Trainer let "
+            "through (limit_predict_batches / fast_dev_run): the head, tau_g and beta come from "
+            "them alone and only they get predictions. For a smaller complete run use "
+            "--data.limit N."
+        )
