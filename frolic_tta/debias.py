@@ -7,22 +7,18 @@ With :math:`s(x) = \mathrm{softmax}(f(x))` the model's posterior and
 Methods (``method=``):
 
 * ``"soft"`` (default) -- :math:`s_j` is estimated with the *current debiased posterior*
-  :math:`q_i = \mathrm{softmax}(f(x_i) - \ln\beta)` as weights instead of argmax,
+  :math:`q_i = \mathrm{softmax}(f(x_i) - \ln\beta + \ln\pi)` as weights instead of argmax,
   :math:`s_j = \sum_i q_{ij}\, s(x_i) / \sum_i q_{ij}`, and :math:`\beta = S(\beta)\beta`.
-  Under Proposition 2's model with a balanced test set, :math:`q` at the true :math:`\beta^*` is
-  the exact test posterior, so the weighted means are the class-conditional means and
-  :math:`\beta^*` is a fixed point (consistency). With :math:`r_i = \sum_k s_{ik}/\beta_k` and
-  :math:`n_j = \sum_i q_{ij}`, :math:`(S\beta)_k = \sum_i s_{ik}\,(\sum_j s_{ij}\beta_j/n_j)/r_i`;
-  where every :math:`n_j = N/K` this is :math:`\beta_k\sum_i q_{ik} \cdot K/N = \beta_k`, so
-  **the fixed point is where the debiased class masses are uniform**, the stationary point of
-  the convex :math:`L(\gamma) = \sum_i \operatorname{lse}(f(x_i) + \gamma) - \frac NK
-  \mathbf 1^\top\gamma` with :math:`\gamma = -\ln\beta` (:math:`\nabla L = n - N/K`).
-  We minimise it by Newton steps preconditioned with the diagonal curvature
-  :math:`h_j = \sum_i q_{ij}(1 - q_{ij})` and Armijo backtracking on :math:`L` (convex, so this
-  converges): one pass and one reduction per trial point, no K x K matrix, typically 5-30
-  passes (iterating :math:`S\beta` itself needs hundreds when :math:`S \approx I`).
-  It stops when :math:`\|\beta^t - \beta^{t-1}\|_1 < \epsilon` and the masses are within
-  :math:`\epsilon` of uniform, :math:`\|n/N - \mathbf 1/K\|_1 < \epsilon`.
+  Under Proposition 2's model, :math:`q` at the true :math:`\beta^*` is the exact test
+  posterior, so the weighted means are the class-conditional means and :math:`\beta^*` is a
+  fixed point (consistency). With :math:`r_i = \sum_k s_{ik}/\beta_k` and
+  :math:`n_j = \sum_i q_{ij}`, :math:`(S\beta)_k = \sum_i s_{ik}\,(\sum_j s_{ij}\beta_j/n_j)/r_i`,
+  which equals :math:`\beta_k` where :math:`n_j = N\pi_j`: **the fixed point is where the
+  debiased class masses equal the test prior** :math:`\pi` (``target``; uniform by default,
+  the paper's balanced test set). That is a convex problem, solved by Newton passes in
+  :func:`frolic_tta.matching.match_class_masses` (no K x K matrix; iterating :math:`S\beta`
+  itself needs hundreds of passes when :math:`S \approx I`), with :math:`\ln\hat\beta` kept
+  in a box (``bound``) where the data do not determine it.
 * ``"paper"`` -- Algorithm 2 as written: hard pseudo-labels from :math:`f - \ln\beta^t`,
   :math:`S` from the class-wise mean of :math:`s(x)` over each pseudo-class, :math:`\beta` by
   power iteration (Appendix A.6) to :math:`\|\Delta\|_1 < \epsilon`, outer loop until
@@ -31,8 +27,11 @@ Methods (``method=``):
 * ``"implicit"`` -- :math:`\beta = \frac1N\sum_i s(x_i)` (Eq. 15 on test data; Table 4).
 * ``"none"`` -- uniform :math:`\beta` (no debiasing).
 
-With ``labels`` (the paper's *Oracle*), :math:`S` is built once from the true labels and
-:math:`\beta = S\beta` is solved exactly (:func:`solve_stationary`).
+With ``labels`` (the paper's *Oracle*) the class masses are matched to the true label
+frequencies: the cross-entropy-optimal prior of the debiased logits (GLA's supervised
+estimate), consistent under Proposition 2 like :math:`\beta = S\beta` with :math:`S` from
+labels, but well posed when :math:`S \approx I` (confident posteriors), where the exact solve
+:func:`solve_stationary` is ill-conditioned.
 Every returned :math:`\beta` is floored at ``prior_floor / K`` and renormalised, so
 :math:`-\ln\beta` is finite and a class with no posterior mass anywhere cannot
 become an absorbing state.
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
+from frolic_tta.matching import MassMatch, match_class_masses
 from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
 
 
@@ -121,80 +121,140 @@ def solve_stationary(matrix: Tensor) -> Tensor:
     return beta / beta.sum()
 
 
-def _newton_sums(source: LogitSource, gamma: Tensor) -> Tensor:
-    """``[N, sum_i lse(f_i + gamma), n_1..n_K, h_1..h_K]`` of the local shard (float64).
+def check_labels(labels: Tensor, num_samples: int, num_classes: int) -> Tensor:
+    """``labels`` as a long tensor after checking shape, integer dtype and range.
 
-    One exponential per entry; column sums in the logits' dtype, accumulated in float64.
+    Raises:
+        ValueError: wrong shape, non-integer dtype, or a value outside ``[0, K)``.
     """
-    k = gamma.shape[0]
-    total = torch.zeros(2 * k + 2, dtype=torch.float64)
-    for _, logits in source.chunks():
-        shifted = logits + gamma.to(logits)
-        top = shifted.max(dim=1, keepdim=True).values
-        debiased = torch.exp_(shifted - top)
-        norm = debiased.sum(dim=1, keepdim=True)
-        debiased.div_(norm)
-        total[0] += logits.shape[0]
-        total[1] += float((top + norm.log()).sum(dtype=torch.float64))
-        mass = debiased.sum(0)
-        total[2 : k + 2] += mass.double().cpu()
-        total[k + 2 :] += (mass - debiased.square_().sum(0)).double().cpu()
-    return total
-
-
-def _soft_newton(
-    source: LogitSource, eps: float, max_iter: int, prior_floor: float, reduce_fn: ReduceFn
-) -> tuple[Tensor, bool]:
-    r"""Minimise :math:`L(\gamma)/N` (module docstring) by diagonally preconditioned Newton
-    steps with Armijo backtracking; ``(beta, converged)``. Each trial point costs one pass and
-    one ``reduce_fn`` call; accept/reject decisions use reduced values only."""
-    k = source.num_classes
-    ceiling = float(torch.log(torch.tensor(k / prior_floor)))  # keeps beta_j >= prior_floor / K
-    limit = torch.tensor(ceiling, dtype=torch.float64)
-
-    def evaluate(gamma: Tensor) -> tuple[float, Tensor, Tensor]:
-        sums = reduce_fn(_newton_sums(source, gamma))
-        n = float(sums[0])
-        objective = float(sums[1]) / n - float(gamma.sum()) / k
-        return objective, sums[2 : k + 2] / n - 1.0 / k, sums[k + 2 :] / n
-
-    gamma = torch.zeros(k, dtype=torch.float64)
-    objective, gradient, curvature = evaluate(gamma)
-    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    step_size, evaluations = 1.0, 1
-    while evaluations < max_iter:
-        direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)
-        trial = gamma - step_size * direction
-        trial = torch.minimum(trial - trial.min(), limit)
-        trial_objective, trial_gradient, trial_curvature = evaluate(trial)
-        evaluations += 1
-        decrease = 1e-4 * float((gradient * (gamma - trial)).sum())  # Armijo, <= 0
-        if trial_objective > objective - abs(decrease) and step_size > 1e-6:
-            step_size *= 0.5  # reject: retry a shorter step from the same point
-            continue
-        gamma, objective, gradient, curvature = (
-            trial,
-            trial_objective,
-            trial_gradient,
-            trial_curvature,
+    labels = torch.as_tensor(labels)
+    if labels.shape != (num_samples,):
+        raise ValueError(
+            f"Expected `labels` of shape ({num_samples},), but got {tuple(labels.shape)}"
         )
-        step_size = min(1.0, 2.0 * step_size)
-        new = _floor(torch.softmax(-gamma, 0), prior_floor)
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"Expected integer `labels`, but got dtype {labels.dtype}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"Expected `labels` in [0, {num_classes - 1}], but got values in "
+            f"[{int(labels.min())}, {int(labels.max())}]"
+        )
+    return labels.long()
+
+
+def label_frequencies(labels: Tensor, num_classes: int, reduce_fn: ReduceFn) -> Tensor:
+    """``(K,)`` frequencies of ``labels`` over all shards (float64, sums to 1)."""
+    counts = torch.bincount(labels.cpu(), minlength=num_classes).to(torch.float64)
+    counts = reduce_fn(counts)
+    return counts / counts.sum().clamp(min=1.0)
+
+
+def _uniform_result(beta: Tensor, target: Tensor, converged: bool, passes: int) -> MassMatch:
+    k = beta.shape[0]
+    floor = torch.finfo(torch.float64).tiny
+    return MassMatch(
+        beta=beta,
+        log_offset=torch.log(target.clamp(min=floor)) - torch.log(beta),
+        undetermined=torch.zeros(k, dtype=torch.bool),
+        mass_error=float("nan"),
+        converged=converged,
+        evaluations=passes,
+    )
+
+
+def fit_label_bias(
+    logits: Tensor | LogitSource,
+    *,
+    method: BiasMethod = "soft",
+    target: Tensor | None = None,
+    bound: float | None = None,
+    labels: Tensor | None = None,
+    eps: float = 0.01,
+    max_iter: int = 100,
+    prior_floor: float = 1e-30,
+    reduce_fn: ReduceFn | None = None,
+) -> MassMatch:
+    r""":func:`estimate_label_bias` with its diagnostics (:class:`~frolic_tta.matching.MassMatch`:
+    :math:`\hat\beta`, the logit offset, undetermined classes, convergence).
+
+    ``target`` (the test prior :math:`\pi`, default uniform) and ``bound`` (on
+    :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|`) apply to ``"soft"`` and the Oracle;
+    the other methods ignore them but still return ``log_offset``
+    :math:`= \ln\pi - \ln\hat\beta`. Warns when the loop does not converge or when the data
+    leave some :math:`\hat\beta_j` undetermined.
+    """
+    check_choice("method", method, BIAS_METHODS)
+    check_positive("eps", eps)
+    floor = check_positive("prior_floor", prior_floor)
+    if floor >= 1.0:
+        raise ValueError(f"Expected `prior_floor` < 1, but got {prior_floor!r}")
+    if bound is not None:
+        check_positive("bound", bound)
+    reduce_fn = reduce_fn or identity_reduce
+    source = as_source(logits)
+    k = source.num_classes
+    if k < 2:
+        raise ValueError(f"Expected at least 2 classes, but got K={k}")
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    if target is None:
+        target = uniform
+    elif target.shape != (k,) or not bool(torch.isfinite(target).all()) or bool((target < 0).any()):
+        raise ValueError(f"Expected `target` of shape ({k},) with finite values >= 0")
+    target = (target / target.sum()).to(torch.float64).cpu()
+    if labels is not None:  # the Oracle: masses equal to the true label frequencies
+        labels = check_labels(labels, source.num_samples, k)
+        target = label_frequencies(labels, k, reduce_fn)
+        method = "soft"
+    if method == "none":
+        return _uniform_result(uniform, target, True, 0)
+    if method == "implicit":
+        return _uniform_result(_floor(_implicit(source, reduce_fn), prior_floor), target, True, 1)
+    if method == "soft":
+        result = match_class_masses(
+            source,
+            target,
+            bound=bound,
+            eps=eps,
+            max_iter=max_iter,
+            prior_floor=prior_floor,
+            reduce_fn=reduce_fn,
+        )
+        _warn_about(result, k, max_iter, eps)
+        return result
+    beta = uniform
+    for passes in range(1, max_iter + 1):
+        matrix = _hard_class_matrix(source, torch.log(beta), None, reduce_fn)
+        new = _floor(power_iteration(matrix, eps), prior_floor)
         change = float((new - beta).abs().sum())
         beta = new
-        if change < eps and float(gradient.abs().sum()) < eps:
-            return beta, True
-        if change == 0.0:  # stalled at the floor: some class cannot reach 1/K of the mass
-            warnings.warn(
-                "estimate_label_bias(method='soft'): the debiased class masses cannot be made "
-                f"uniform within prior_floor={prior_floor} (L1 imbalance "
-                f"{float(gradient.abs().sum()):.3g}); a class has (almost) no posterior mass, "
-                "or the posteriors are hard. Returning the closest prior.",
-                UserWarning,
-                stacklevel=3,
-            )
-            return beta, True
-    return beta, False
+        if change < eps:  # Algorithm 2, line 9
+            return _uniform_result(beta, target, True, passes)
+    warnings.warn(
+        f"estimate_label_bias(method='paper') stopped after max_iter={max_iter} iterations "
+        f"before reaching eps={eps} (last ||beta^t - beta^(t-1)||_1 = {change:.3g})",
+        UserWarning,
+        stacklevel=3,
+    )
+    return _uniform_result(beta, target, False, max_iter)
+
+
+def _warn_about(result: MassMatch, k: int, max_iter: int, eps: float) -> None:
+    if not result.converged:
+        warnings.warn(
+            f"estimate_label_bias(method='soft') stopped after max_iter={max_iter} passes "
+            f"before reaching eps={eps} (class-mass error {result.mass_error:.3g})",
+            UserWarning,
+            stacklevel=4,
+        )
+    undetermined = int(result.undetermined.sum())
+    if undetermined:
+        warnings.warn(
+            f"the data do not determine the label bias beta-hat of {undetermined} of {k} "
+            "classes (hard posteriors or no samples: moving their logits hardly changes any "
+            "class mass); their beta-hat is at the bound or arbitrary",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def estimate_label_bias(
@@ -203,6 +263,8 @@ def estimate_label_bias(
     eps: float = 0.01,
     method: BiasMethod = "soft",
     labels: Tensor | None = None,
+    target: Tensor | None = None,
+    bound: float | None = None,
     max_iter: int = 100,
     prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
@@ -214,10 +276,16 @@ def estimate_label_bias(
             the fused :math:`f_f`), or a :class:`LogitSource` over the local shard.
         eps: tolerance :math:`\epsilon` on :math:`\|\beta^t - \beta^{t-1}\|_1` (Eq. 16);
             ``"soft"`` also requires the debiased class masses within :math:`\epsilon` of
-            uniform in L1.
+            the target in L1.
         method: ``"soft"`` (default), ``"paper"``, ``"implicit"`` or ``"none"``.
-        labels: ``(N,)`` true labels of the local shard: builds :math:`S` from them (Oracle).
-        max_iter: cap on iterations (Newton steps for ``"soft"``, outer loops for ``"paper"``;
+        labels: ``(N,)`` true labels of the local shard (integers): the Oracle, whose debiased
+            class masses equal the true label frequencies (the cross-entropy-optimal prior;
+            well posed even when :math:`S \approx I`).
+        target: ``(K,)`` test prior :math:`\pi` the debiased class masses should match
+            (``"soft"``; default uniform, Proposition 2's balanced test set).
+        bound: largest :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|` (``"soft"``;
+            ``None``: only ``prior_floor``), see :mod:`frolic_tta.matching`.
+        max_iter: cap on iterations (Newton passes for ``"soft"``, outer loops for ``"paper"``;
             each a fixed number of ``reduce_fn`` calls).
         prior_floor: :math:`\beta_j \ge` ``prior_floor`` / K.
         reduce_fn: sums a tensor over shards (identity by default).
@@ -225,47 +293,14 @@ def estimate_label_bias(
     Returns:
         ``(K,)`` float64, positive, sums to 1.
     """
-    check_choice("method", method, BIAS_METHODS)
-    check_positive("eps", eps)
-    reduce_fn = reduce_fn or identity_reduce
-    source = as_source(logits)
-    k = source.num_classes
-    if k < 2:
-        raise ValueError(f"Expected at least 2 classes, but got K={k}")
-    if labels is not None:
-        labels = torch.as_tensor(labels).long()
-        if labels.shape != (source.num_samples,):
-            raise ValueError(
-                f"Expected `labels` of shape ({source.num_samples},), but got {tuple(labels.shape)}"
-            )
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= k):
-            raise ValueError(f"Expected `labels` in [0, {k - 1}], but got values outside")
-        matrix = _hard_class_matrix(source, None, labels, reduce_fn)
-        return _floor(solve_stationary(matrix), prior_floor)
-    if method == "none":
-        return torch.full((k,), 1.0 / k, dtype=torch.float64)
-    if method == "implicit":
-        return _floor(_implicit(source, reduce_fn), prior_floor)
-
-    if method == "soft":
-        beta, converged = _soft_newton(source, eps, max_iter, prior_floor, reduce_fn)
-        if converged:
-            return beta
-        change = float("nan")  # not tracked outside the Newton loop
-    else:
-        beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
-        for _ in range(max_iter):
-            matrix = _hard_class_matrix(source, torch.log(beta), None, reduce_fn)
-            new = _floor(power_iteration(matrix, eps), prior_floor)
-            change = float((new - beta).abs().sum())
-            beta = new
-            if change < eps:  # Algorithm 2, line 9
-                return beta
-    warnings.warn(
-        f"estimate_label_bias(method={method!r}) stopped after max_iter={max_iter} iterations "
-        f"before reaching eps={eps}"
-        + ("" if change != change else f" (last ||beta^t - beta^(t-1)||_1 = {change:.3g})"),
-        UserWarning,
-        stacklevel=2,
-    )
-    return beta
+    return fit_label_bias(
+        logits,
+        method=method,
+        target=target,
+        bound=bound,
+        labels=labels,
+        eps=eps,
+        max_iter=max_iter,
+        prior_floor=prior_floor,
+        reduce_fn=reduce_fn,
+    ).beta

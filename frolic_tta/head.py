@@ -2,12 +2,13 @@ r"""The adapted classifier: everything Algorithm 1 learns, as one affine map.
 
 .. math::
     f_d(x) = \underbrace{f_g(x)/\tau_g + f_c(x)/\tau_c}_{f_f\ \text{(Eq. 12)}} - \ln\hat\beta
-    \quad\text{(Eq. 13)} = A(x - \hat\mu) + c,\qquad
-    A = W/\tau_g + Z/\tau_c,\quad c = b/\tau_g + Z\hat\mu/\tau_c - \ln\hat\beta,
+    + \ln\hat\pi \quad\text{(Eq. 13)} = A(x - \hat\mu) + c,\qquad
+    A = W/\tau_g + Z/\tau_c,\quad c = b/\tau_g + Z\hat\mu/\tau_c - \ln\hat\beta + \ln\hat\pi,
 
 with :math:`f_g(x) = W(x - \hat\mu) + b` the centred GDA head (Eq. 9 up to a constant per
-sample, see :mod:`frolic_tta.gda`) and :math:`f_c(x) = Zx` (Eq. 2). Shapes: K classes, d
-embedding dim.
+sample, see :mod:`frolic_tta.gda`), :math:`f_c(x) = Zx` (Eq. 2), :math:`\hat\beta` the
+pre-training label bias and :math:`\hat\pi` the test set's class prior (uniform in the paper,
+where :math:`\ln\hat\pi` is a constant). Shapes: K classes, d embedding dim.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class FrolicHead:
         gaussian: the fitted :class:`~frolic_tta.gda.GaussianHead` (:math:`W, b`).
         tau_c: zero-shot temperature.
         tau_g: matched GDA temperature (Eq. 11).
-        beta: ``(K,)`` label prior :math:`\hat\beta`.
+        beta: ``(K,)`` pre-training label prior :math:`\hat\beta`.
+        test_prior: ``(K,)`` the test set's class prior :math:`\hat\pi` (``None``: uniform).
+        zero_shot_beta: ``(K,)`` the zero-shot model's pre-training prior (Proposition 2 on
+            :math:`f_c/\tau_c`), used by the debiased zero-shot row (``None``: not estimated).
     """
 
     prototypes: Tensor
@@ -38,6 +42,15 @@ class FrolicHead:
     tau_c: float
     tau_g: float
     beta: Tensor
+    test_prior: Tensor | None = None
+    zero_shot_beta: Tensor | None = None
+
+    def log_offset(self, beta: Tensor | None = None) -> Tensor:
+        r"""``(K,)`` :math:`\ln\hat\pi - \ln\hat\beta` (of ``beta`` if given)."""
+        offset = -torch.log((self.beta if beta is None else beta).to(torch.float64))
+        if self.test_prior is not None:
+            offset = offset + torch.log(self.test_prior.to(torch.float64))
+        return offset
 
     def zero_shot(self) -> AffineMap:
         r""":math:`f_c(x) = Zx` (Eq. 2, unscaled)."""
@@ -53,8 +66,8 @@ class FrolicHead:
         return AffineMap(weight, bias, g.center)
 
     def affine(self) -> AffineMap:
-        r""":math:`f_d = f_f - \ln\hat\beta` (Eq. 13), centred at :math:`\hat\mu`."""
-        return self.fused().shift(-torch.log(self.beta.to(torch.float64)))
+        r""":math:`f_d = f_f - \ln\hat\beta + \ln\hat\pi` (Eq. 13), centred at :math:`\hat\mu`."""
+        return self.fused().shift(self.log_offset())
 
     def score(self, features: Tensor) -> Tensor:
         r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation)."""
@@ -94,6 +107,8 @@ class FrolicHead:
             "tau_c": self.tau_c,
             "tau_g": self.tau_g,
             "beta": self.beta,
+            "test_prior": self.test_prior,
+            "zero_shot_beta": self.zero_shot_beta,
         }
 
     @classmethod
@@ -114,6 +129,8 @@ class FrolicHead:
             tau_c=float(state["tau_c"]),
             tau_g=float(state["tau_g"]),
             beta=state["beta"],
+            test_prior=state.get("test_prior"),
+            zero_shot_beta=state.get("zero_shot_beta"),
         )
 
 

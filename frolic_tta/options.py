@@ -19,6 +19,9 @@ Covariance = Literal["soft", "paper"]
 """``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7."""
 BiasMethod = Literal["soft", "paper", "implicit", "none"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias`."""
+TestPriorMethod = Literal["em", "uniform"]
+"""``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
+test set, the paper's assumption (Proposition 2)."""
 ShrinkageMode = Literal["auto", "oas"]
 Shrinkage = float | ShrinkageMode | None
 """``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
@@ -26,6 +29,7 @@ Shrinkage = float | ShrinkageMode | None
 COVARIANCES: tuple[str, ...] = get_args(Covariance)
 BIAS_METHODS: tuple[str, ...] = get_args(BiasMethod)
 SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
+TEST_PRIORS: tuple[str, ...] = get_args(TestPriorMethod)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -47,6 +51,20 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
     bound = "> 0" if not allow_zero else ">= 0"
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"Expected `{name}` to be a finite number {bound}, but got {value!r}")
+    return value
+
+
+def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
+    """``value`` if it is an ``int`` (not ``bool``) >= ``minimum``.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Expected `{name}` to be an int, but got {value!r}")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}, but got {value}")
     return value
 
 
@@ -72,6 +90,18 @@ class FrolicOptions:
             ``"oas"``, a float in [0, 1], or ``None``.
         bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
             written), ``"implicit"`` (Eq. 15 on test data) or ``"none"``.
+        test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; estimated by EM
+            on the Gaussian mixture, :mod:`frolic_tta.prior`, which also refines the head's
+            class means and covariance) or ``"uniform"`` (a balanced test set, the paper's
+            assumption).
+        em_iterations: cap on the EM passes (``test_prior="em"``; one pass over the features
+            each).
+        shift_evidence: how much evidence an imbalanced test prior needs: the constant
+            :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
+            (:class:`~frolic_tta.prior.TestPrior`); ``0`` uses the EM estimate as it is.
+        beta_ratio_bound: largest :math:`\max_j\hat\beta_j / \min_j\hat\beta_j` of the zero-shot
+            model's pre-training prior (a box on :math:`\ln\hat\beta`, :mod:`frolic_tta.matching`;
+            classes at the box are reported as undetermined); ``None``: only ``prior_floor``.
         eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
         max_iter: cap on the label-bias iterations.
         prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
@@ -89,6 +119,10 @@ class FrolicOptions:
     covariance: Covariance = "soft"
     shrinkage: Shrinkage = "auto"
     bias: BiasMethod = "soft"
+    test_prior: TestPriorMethod = "em"
+    em_iterations: int = 12
+    shift_evidence: float = 4.0
+    beta_ratio_bound: float | None = 1e8
     eps: float = 0.01
     max_iter: int = 100
     prior_floor: float = 1e-30
@@ -96,15 +130,38 @@ class FrolicOptions:
     def __post_init__(self) -> None:
         check_choice("covariance", self.covariance, COVARIANCES)
         check_shrinkage(self.shrinkage)
+        if self.covariance == "paper" and self.shrinkage not in ("auto", None):
+            raise ValueError(
+                "Expected `shrinkage` 'auto' or None with covariance='paper' (Eq. 7 is used as "
+                f"it is), but got {self.shrinkage!r}"
+            )
         check_choice("bias", self.bias, BIAS_METHODS)
+        check_choice("test_prior", self.test_prior, TEST_PRIORS)
+        check_positive("shift_evidence", self.shift_evidence, allow_zero=True)
+        if self.beta_ratio_bound is not None:
+            bound = check_positive("beta_ratio_bound", self.beta_ratio_bound)
+            if not bound > 1.0:
+                raise ValueError(
+                    f"Expected `beta_ratio_bound` > 1, but got {self.beta_ratio_bound!r}"
+                )
         check_positive("eps", self.eps)
-        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int):
-            raise TypeError(f"Expected `max_iter` to be an int, but got {self.max_iter!r}")
-        if self.max_iter < 1:
-            raise ValueError(f"Expected `max_iter` >= 1, but got {self.max_iter}")
+        check_count("max_iter", self.max_iter, minimum=1)
+        check_count("em_iterations", self.em_iterations, minimum=1)
         floor = check_positive("prior_floor", self.prior_floor)
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
+
+
+def paper_options(**overrides: Any) -> FrolicOptions:
+    r"""The paper's method as written: Eq. 7, Algorithm 2, a balanced test set, no prior on
+    :math:`\beta` (``overrides`` on top)."""
+    paper = {
+        "covariance": "paper",
+        "bias": "paper",
+        "test_prior": "uniform",
+        "beta_ratio_bound": None,
+    }
+    return FrolicOptions(**{**paper, **overrides})
 
 
 def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> FrolicOptions:

@@ -14,18 +14,21 @@ Shapes: N samples, K classes, d embedding dim.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature
-from frolic_tta.debias import estimate_label_bias
+from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
+    AffineMap,
     ReduceFn,
     TensorLogits,
     chunk_rows,
@@ -33,6 +36,7 @@ from frolic_tta.logits import (
     identity_reduce,
 )
 from frolic_tta.options import FrolicOptions, resolve_options
+from frolic_tta.prior import Priors, estimate_test_prior
 from frolic_tta.rows import RowContext, build_rows
 from frolic_tta.validation import validate_inputs
 
@@ -56,16 +60,18 @@ def shard_moment_sums(
 
 @dataclass
 class FrolicFit:
-    """Output of :func:`fit_frolic` on one shard.
+    r"""Output of :func:`fit_frolic` on one shard.
 
     Attributes:
         head: the adapted classifier.
-        sums: the reduced moment sums of the whole dataset.
+        sums: the reduced moment sums of the whole dataset (zero-shot responsibilities).
+        priors: the test prior and the label biases, with their diagnostics.
         logits: ``(N_local, K)`` :math:`f_d` of the shard (``keep_logits=True``), else ``None``.
     """
 
     head: FrolicHead
     sums: MomentSums
+    priors: Priors
     logits: Tensor | None = None
 
 
@@ -100,18 +106,33 @@ def fit_frolic(
     """
     options = resolve_options(options, **overrides)
     reduce_fn = reduce_fn or identity_reduce
+    check_finite_everywhere(features, reduce_fn)
     if sums is None:
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
+    k = prototypes.shape[0]
+    em = None
+    if options.test_prior == "em":
+        em = estimate_test_prior(
+            features,
+            prototypes,
+            sums,
+            shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
+            iterations=options.em_iterations,
+            evidence=options.shift_evidence,
+            prior_floor=options.prior_floor,
+            reduce_fn=reduce_fn,
+            chunk_size=chunk_size,
+        )
     gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     z = prototypes.to(torch.float64)
-    unit_beta = torch.full((z.shape[0],), 1.0 / z.shape[0], dtype=torch.float64)
-    head = FrolicHead(z, gaussian, tau_c, 1.0, unit_beta)
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    head = FrolicHead(z, gaussian, tau_c, 1.0, uniform)
     zero_shot = head.zero_shot().source(features, chunk_size)
     gda = gaussian.affine().source(features, chunk_size)
     buffer = None
     if keep_logits:
         buffer = torch.empty(
-            features.shape[0], z.shape[0], dtype=compute_dtype(features), device=features.device
+            features.shape[0], k, dtype=compute_dtype(features), device=features.device
         )
         for start, chunk in gda.chunks():
             buffer[start : start + chunk.shape[0]] = chunk
@@ -124,17 +145,56 @@ def fit_frolic(
         fused = TensorLogits(buffer, chunk_size)
     else:
         fused = head.fused().source(features, chunk_size)
-    head.beta = estimate_label_bias(
-        fused,
-        eps=options.eps,
+    test_prior = None if em is None else floored(em.prior, options.prior_floor)
+    solve = partial(
+        fit_label_bias,
         method=options.bias,
+        target=test_prior,
+        eps=options.eps,
         max_iter=options.max_iter,
         prior_floor=options.prior_floor,
         reduce_fn=reduce_fn,
     )
+    bias = solve(fused)
+    scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))
+    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
+    zero_shot_bias = solve(scaled.source(features, chunk_size), bound=box)
+    head.beta, head.test_prior, head.zero_shot_beta = bias.beta, test_prior, zero_shot_bias.beta
     if buffer is not None:
-        buffer.sub_(torch.log(head.beta).to(buffer))
-    return FrolicFit(head=head, sums=sums, logits=buffer)
+        buffer.add_(head.log_offset().to(buffer))
+    priors = Priors(
+        test_prior=uniform if test_prior is None else test_prior,
+        raw_test_prior=None if em is None else em.raw,
+        shift_weight=0.0 if em is None else em.weight,
+        likelihood_ratio=None if em is None else em.likelihood_ratio,
+        beta=bias.beta,
+        beta_undetermined=bias.undetermined,
+        zero_shot_beta=zero_shot_bias.beta,
+        zero_shot_beta_undetermined=zero_shot_bias.undetermined,
+    )
+    return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
+
+
+def floored(prior: Tensor, prior_floor: float) -> Tensor:
+    """``prior`` with every entry at least ``prior_floor`` / K, renormalised (float64)."""
+    prior = prior.to(torch.float64).cpu().clamp(min=prior_floor / prior.shape[0])
+    return prior / prior.sum()
+
+
+def check_finite_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
+    """Raise on every shard together if any shard holds a non-finite feature.
+
+    Raises:
+        ValueError: NaN or inf in the features of some shard (all shards raise, so none is
+            left waiting in a collective).
+    """
+    local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
+    bad = float(reduce_fn(torch.tensor([float(local)], dtype=torch.float64))[0])
+    if bad:
+        raise ValueError(
+            f"Expected finite features, but {int(bad)} sample(s) hold NaN or inf; drop or "
+            "repair them before fitting (FrolicModule skips them and reports their indices)"
+        )
 
 
 @dataclass
@@ -152,6 +212,8 @@ class FrolicResult:
         features: the features the result was computed on (normalised if asked).
         sums: the moment sums of ``features``.
         options: the options of the fit.
+        priors: the test prior :math:`\tilde\pi` and the label biases (fused and zero-shot),
+            with what the data left undetermined (:class:`~frolic_tta.prior.Priors`).
     """
 
     logits: Tensor
@@ -164,6 +226,7 @@ class FrolicResult:
     features: Tensor
     sums: MomentSums
     options: FrolicOptions
+    priors: Priors
 
     def ablations(self, labels: Tensor | None = None) -> dict[str, Tensor]:
         """Logits of the paper's Table 3 and Table 4 rows (:data:`frolic_tta.rows.ROWS`).
@@ -223,7 +286,7 @@ def frolic(
         features, prototypes, options, tau_c=tau_c, reduce_fn=reduce_fn, keep_logits=True
     )
     head = fit.head
-    fused = fit.logits + torch.log(head.beta).to(fit.logits)
+    fused = fit.logits - head.log_offset().to(fit.logits)
     return FrolicResult(
         logits=fit.logits,
         zero_shot_logits=head.zero_shot().logits(features),
@@ -235,4 +298,5 @@ def frolic(
         features=features,
         sums=fit.sums,
         options=options,
+        priors=fit.priors,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.debias import estimate_label_bias
+from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums
 from frolic_tta.head import FrolicHead
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap, ReduceFn, identity_reduce
@@ -51,16 +51,18 @@ class RowContext:
     reduce_fn: ReduceFn = identity_reduce
     chunk_size: int | None = DEFAULT_CHUNK_SIZE
 
-    def prior(self, logits: AffineMap, **kwargs: object) -> Tensor:
-        """:func:`~frolic_tta.estimate_label_bias` of ``logits`` on the whole dataset."""
-        return estimate_label_bias(
+    def offset(self, logits: AffineMap, **kwargs: object) -> Tensor:
+        r"""``(K,)`` debiasing offset :math:`\ln\pi - \ln\hat\beta` of ``logits`` on the whole
+        dataset (:func:`~frolic_tta.debias.fit_label_bias`; ``kwargs`` choose the method,
+        target or labels)."""
+        return fit_label_bias(
             logits.source(self.features, self.chunk_size),
             eps=self.options.eps,
             max_iter=self.options.max_iter,
             prior_floor=self.options.prior_floor,
             reduce_fn=self.reduce_fn,
             **kwargs,
-        )
+        ).log_offset
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,11 @@ class Row:
     Attributes:
         key: short name, also the metric and JSON key (``"f_c - ln beta"``).
         label: description for tables.
-        table: the paper's table (``"3"`` or ``"4"``).
+        table: the paper's table (``"3"`` or ``"4"``), or ``"extra"`` (ours).
         build: ``RowContext -> AffineMap``.
         needs_labels: only built when true labels are given (the Oracle).
         max_classes: left out above this K (``None``: always built).
+        needs_test_prior: only built when the test prior is estimated (``test_prior="em"``).
     """
 
     key: str
@@ -82,10 +85,16 @@ class Row:
     build: Callable[[RowContext], AffineMap]
     needs_labels: bool = False
     max_classes: int | None = None
+    needs_test_prior: bool = False
 
-    def available(self, num_classes: int, labelled: bool) -> bool:
-        """Whether the row is built for K = ``num_classes`` with or without labels."""
+    def available(
+        self, num_classes: int, labelled: bool, options: FrolicOptions | None = None
+    ) -> bool:
+        """Whether the row is built for K = ``num_classes``, with or without labels, under
+        ``options`` (default: the defaults)."""
         if self.needs_labels and not labelled:
+            return False
+        if self.needs_test_prior and (options or FrolicOptions()).test_prior != "em":
             return False
         return self.max_classes is None or num_classes <= self.max_classes
 
@@ -111,8 +120,11 @@ def _tde_map(prototypes: Tensor, mean: Tensor) -> AffineMap:
 
 
 def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
-    scaled = AffineMap(ctx.head.prototypes.to(torch.float64) / ctx.head.tau_c, _zeros(ctx))
-    return scaled.shift(-torch.log(ctx.prior(scaled, method="soft")))
+    head = ctx.head
+    scaled = AffineMap(head.prototypes.to(torch.float64) / head.tau_c, _zeros(ctx))
+    if head.zero_shot_beta is not None:  # estimated by the fit, with its test prior
+        return scaled.shift(head.log_offset(head.zero_shot_beta))
+    return scaled.shift(ctx.offset(scaled, method=ctx.options.bias))
 
 
 def _sum(ctx: RowContext) -> AffineMap:
@@ -122,12 +134,17 @@ def _sum(ctx: RowContext) -> AffineMap:
 
 def _implicit(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    return fused.shift(-torch.log(ctx.prior(fused, method="implicit")))
+    return fused.shift(ctx.offset(fused, method="implicit"))  # Eq. 15: no test prior
 
 
 def _oracle(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    return fused.shift(-torch.log(ctx.prior(fused, labels=ctx.labels)))
+    return fused.shift(ctx.offset(fused, labels=ctx.labels))
+
+
+def _balanced(ctx: RowContext) -> AffineMap:
+    fused = ctx.head.fused()
+    return fused.shift(ctx.offset(fused, method=ctx.options.bias))
 
 
 def _zeros(ctx: RowContext) -> Tensor:
@@ -151,10 +168,18 @@ _ROWS = (
         needs_labels=True,
         max_classes=ORACLE_MAX_CLASSES,
     ),
+    Row(
+        "f_d balanced",
+        "Frolic assuming a balanced test set",
+        "extra",
+        _balanced,
+        needs_test_prior=True,
+    ),
 )
 ROWS: dict[str, Row] = {row.key: row for row in _ROWS}
 """Every row, in table order: Table 3 ``f_c`` ... ``f_d``, Table 4 ``tde``, ``implicit``,
-``oracle``."""
+``oracle`` (labels: the class masses matched to the true label frequencies), and
+``f_d balanced`` (the paper's balanced-test assumption, next to the estimated test prior)."""
 
 
 def accuracy(logits: Tensor, labels: Tensor) -> float:
@@ -162,9 +187,12 @@ def accuracy(logits: Tensor, labels: Tensor) -> float:
     return float((logits.argmax(1) == labels.to(logits.device)).double().mean())
 
 
-def available_rows(num_classes: int, labelled: bool) -> list[str]:
-    """Keys of the rows built for K = ``num_classes``, with or without labels."""
-    return [key for key, row in ROWS.items() if row.available(num_classes, labelled)]
+def available_rows(
+    num_classes: int, labelled: bool, options: FrolicOptions | None = None
+) -> list[str]:
+    """Keys of the rows built for K = ``num_classes``, with or without labels, under
+    ``options``."""
+    return [key for key, row in ROWS.items() if row.available(num_classes, labelled, options)]
 
 
 def build_rows(ctx: RowContext, keys: Iterable[str] | None = None) -> dict[str, AffineMap]:
@@ -182,5 +210,5 @@ def build_rows(ctx: RowContext, keys: Iterable[str] | None = None) -> dict[str, 
     return {
         key: row.build(ctx)
         for key, row in ROWS.items()
-        if key in wanted and row.available(k, labelled)
+        if key in wanted and row.available(k, labelled, ctx.options)
     }

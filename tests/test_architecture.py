@@ -58,7 +58,9 @@ def test_one_registry_of_rows_drives_results_metrics_and_reports():
     metrics = row_accuracies(num_classes=20)
     assert set(metrics.keys()) == {metric_key(key) for key in ROWS}
     assert available_rows(5000, labelled=True) == [key for key in ROWS if key != "oracle"]
-    assert all(row.label and row.table in ("3", "4") for row in ROWS.values())
+    uniform = FrolicOptions(test_prior="uniform")
+    assert "f_d balanced" not in available_rows(20, labelled=True, options=uniform)
+    assert all(row.label and row.table in ("3", "4", "extra") for row in ROWS.values())
 
 
 def test_one_options_vocabulary_for_functions_and_module():

@@ -34,7 +34,7 @@ REPORT_FILES = (
     "logits.pt",
     "head.pt",
     "class_probability.png",
-    "beta.png",
+    "priors.png",
     "config.yaml",
 )
 
@@ -87,7 +87,7 @@ def one_thread():
 def read_report(out: Path) -> dict:
     for name in REPORT_FILES:
         assert (out / name).is_file(), name
-    for name in ("class_probability.png", "beta.png"):
+    for name in ("class_probability.png", "priors.png"):
         with Image.open(out / name) as image:
             assert image.format == "PNG" and min(image.size) > 100
     assert not (out / "predictions").exists()  # per-rank shards joined and removed
@@ -127,6 +127,7 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
         ROWS
     )  # Table 3: f_c .. f_d; Table 4: tde, implicit, oracle
     assert metrics["tau_g"] > 0 and metrics["beta"]["max_over_min"] >= 1
+    assert metrics["zero_shot_beta"]["max_over_min"] >= 1 and "test_prior" in metrics
     assert metrics["tau_c"] == pytest.approx(0.01, rel=1e-6)  # the model's: logit_scale ln 100
     assert len(metrics["per_class"]["probability_before"]) == 3
     assert "f_d" in stdout and "tau_g" in stdout and f"N={N}" in stdout  # terminal table

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import frolic_tta
 from frolic_tta import FrolicModule
-from frolic_tta.clip import hub, loading
+from frolic_tta.clip import hub
 from frolic_tta.clip.loading import (
     WeightsNotFoundError,
     load_open_clip,

@@ -187,8 +187,8 @@ def test_ablation_rows_and_linear_head():
     result = frolic_tta.frolic(world.features, world.prototypes)
     rows = result.ablations(labels=world.labels)
     assert set(rows) == set(ROWS)  # Table 3: f_c .. f_d; Table 4: tde, implicit, oracle
-    torch.testing.assert_close(
-        rows["f_f"] - result.beta.log().float(), result.logits, rtol=1e-5, atol=1e-4
+    torch.testing.assert_close(  # f_d = f_f - ln beta + ln pi (Eq. 13 with the test prior)
+        rows["f_f"] + result.head.log_offset().float(), result.logits, rtol=1e-5, atol=1e-4
     )
     layer = result.head.to_linear()
     torch.testing.assert_close(layer(world.features), result.logits, rtol=1e-5, atol=1e-3)

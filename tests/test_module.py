@@ -20,6 +20,7 @@ from frolic_tta.clip.loading import WeightsNotFoundError
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.data import IndexedDataset
 from frolic_tta.lightning.writer import concat_outputs
+from frolic_tta.rows import ROWS
 from tests.generated import CLASS_NAMES, GeneratedImages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,8 +229,11 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
     summary = torch.load(tmp_path / "summary.pt", weights_only=False)
     assert summary["tau_g"] == pytest.approx(single_module.head.tau_g, rel=1e-4)
     torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-4)
+    torch.testing.assert_close(  # the EM test prior is reduced over ranks like the rest
+        summary["head"]["test_prior"], single_module.head.test_prior, rtol=0, atol=1e-5
+    )
     accuracies = {k: v for k, v in single_module.metrics_.items() if k.startswith("acc/")}
-    assert len(accuracies) == 9
+    assert len(accuracies) == len(ROWS)
     for key, value in accuracies.items():  # synced over ranks: same counts as one process
         assert summary["metrics"][key] == pytest.approx(value, abs=1e-6), key
 

@@ -39,9 +39,11 @@ precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is c
 precision plugin has converted the module, and finalize runs with autocast disabled.
 
 **Attributes after predict** (reset when the next predict starts): ``head``
-(:class:`~frolic_tta.FrolicHead`), ``metrics_`` (accuracy of every Table 3/4 row when samples
-carry labels, plus ``tau_g``), ``class_probability_`` (``"before"``/``"after"``: per-class mean
-predicted probability of :math:`f_f` and :math:`f_d`, the paper's Fig. 1c/d), ``samples_``
+(:class:`~frolic_tta.FrolicHead`), ``priors_`` (:class:`~frolic_tta.prior.Priors`: the
+estimated test prior and the label biases, with their undetermined classes), ``metrics_``
+(accuracy of every Table 3/4 row when samples carry labels, plus ``tau_g``),
+``class_probability_`` (``"before"``/``"after"``: per-class mean predicted probability of
+:math:`f_f` and :math:`f_d`, the paper's Fig. 1c/d), ``samples_``
 (counts over all ranks), ``skipped_`` (this rank's), ``adapted_``, ``images_encoded``.
 
 **Re-use.** ``module(images)`` gives the adapted head's logits :math:`f_d`. With ``head_file`` (a
@@ -80,6 +82,7 @@ from frolic_tta.lightning import samples
 from frolic_tta.metrics import FrolicMoments, row_accuracies, update_row_accuracies
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
+from frolic_tta.prior import Priors
 from frolic_tta.rows import RowContext, build_rows
 
 
@@ -163,6 +166,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self._reset_epoch()
 
     def _reset_run(self) -> None:
+        self.priors_: Priors | None = None
         self.metrics_: dict[str, float] = {}
         self.class_probability_: dict[str, Tensor] = {}
         self.samples_: dict[str, Any] = {}
@@ -339,9 +343,9 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
             chunk_size=hp.chunk_size,
         )
-        self.head = fit.head
-        log_beta = torch.log(self.head.beta).to(device=features.device, dtype=torch.float32)
-        probability = torch.zeros(2, log_beta.shape[0], dtype=torch.float64)
+        self.head, self.priors_ = fit.head, fit.priors
+        offset = self.head.log_offset().to(device=features.device, dtype=torch.float32)
+        probability = torch.zeros(2, offset.shape[0], dtype=torch.float64)
         start = 0
         for output in self._outputs:
             n = int(output["valid"].sum())
@@ -350,7 +354,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             else:
                 logits = self.head.score(features[start : start + n])
             self._fill(output, logits)
-            probability[0] += torch.softmax(logits + log_beta, 1).sum(0).double().cpu()
+            probability[0] += torch.softmax(logits - offset, 1).sum(0).double().cpu()
             probability[1] += torch.softmax(logits, 1).sum(0).double().cpu()
             start += n
         probability = self._reduce(probability) / sums.count.cpu()
@@ -379,10 +383,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         update_row_accuracies(metrics, rows, features, labels.to(self.device), hp.chunk_size)
         computed = metrics.compute()  # torchmetrics syncs over the process group
         self.metrics_ = {key: samples.exact_ratio(float(v), total) for key, v in computed.items()}
-        self.metrics_.update(
-            tau_g=self.head.tau_g,
-            beta_max_over_min=float(self.head.beta.max() / self.head.beta.min()),
-        )
+        self.metrics_.update(tau_g=self.head.tau_g, test_prior_weight=self.priors_.shift_weight)
         if self.trainer.logger is not None:
             self.trainer.logger.log_metrics(self.metrics_, step=0)
 

@@ -1,4 +1,4 @@
-"""PNG plots of a Frolic run: class probability before/after debiasing, and sorted beta-hat.
+"""PNG plots of a Frolic run: class probability before/after debiasing, and the priors.
 
 Figures are drawn with :class:`matplotlib.figure.Figure` directly (Agg canvas, no display and no
 pyplot global state), so importing this module does not change the user's matplotlib backend.
@@ -14,7 +14,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from torch import Tensor
 
-__all__ = ["plot_beta", "plot_class_probability"]
+from frolic_tta.prior import Priors
+
+__all__ = ["plot_class_probability", "plot_priors"]
 
 MAX_NAMED_CLASSES = 40
 """Up to this many classes the x axis names them; above, classes are ranks."""
@@ -98,23 +100,36 @@ def plot_class_probability(
     return _finish(ax, order, names, Path(output_dir) / "class_probability.png", fig)
 
 
-def plot_beta(beta: Tensor, names: list[str], output_dir: str | Path, title: str = "") -> Path:
-    r"""Estimated label bias :math:`\hat\beta` per class, sorted, on a log scale.
+def plot_priors(priors: Priors, names: list[str], output_dir: str | Path, title: str = "") -> Path:
+    r"""The estimated priors per class, sorted by the zero-shot model's pre-training prior, log
+    scale: :math:`\hat\beta` of the zero-shot model (Proposition 2 on :math:`f_c/\tau_c`),
+    the fused classifier's label bias, and the test prior :math:`\tilde\pi`; undetermined
+    classes are marked with an x.
 
     Args:
-        beta: ``(K,)`` estimated class prior (sums to 1).
+        priors: :class:`~frolic_tta.prior.Priors` of the fit.
         names: The K class names.
-        output_dir: Folder of ``beta.png``.
+        output_dir: Folder of ``priors.png``.
         title: Prefix of the plot title.
 
     Returns:
         The path of the PNG.
     """
-    beta = _check(beta, names, "`beta`")
-    order = torch.argsort(beta, descending=True)
+    zero_shot = _check(priors.zero_shot_beta, names, "`zero_shot_beta`")
+    order = torch.argsort(zero_shot, descending=True)
     fig, ax = _figure(len(names))
-    _series(ax, beta[order], color="tab:purple")
+    series = (
+        (zero_shot, priors.zero_shot_beta_undetermined, "pre-training prior (zero-shot)"),
+        (priors.beta, priors.beta_undetermined, "label bias of f_f"),
+    )
+    for values, undetermined, label in series:
+        values = _check(values, names, f"`{label}`")[order]
+        ax.plot(range(len(names)), values, marker="o" if len(names) <= 40 else None, label=label)
+        flagged = undetermined.cpu()[order].nonzero().flatten().tolist()
+        ax.scatter(flagged, values[flagged], marker="x", color="black", zorder=3)
+    test = _check(priors.test_prior, names, "`test_prior`")[order]
+    ax.plot(range(len(names)), test, linestyle=":", label="test prior (estimated)")
     ax.set_yscale("log")
-    ax.set_ylabel("estimated label bias beta-hat")
-    ax.set_title(_title(title, "estimated label bias beta-hat per class, sorted"))
-    return _finish(ax, order, names, Path(output_dir) / "beta.png", fig)
+    ax.set_ylabel("probability")
+    ax.set_title(_title(title, "estimated priors per class (x: not determined by the data)"))
+    return _finish(ax, order, names, Path(output_dir) / "priors.png", fig)

@@ -1,9 +1,10 @@
 r"""FrolicReport: the files and the terminal table a person looks at after ``train.py predict``.
 
 After the predict epoch, rank 0 joins the per-rank prediction files (written by the inherited
-:class:`~frolic_tta.callbacks.FrolicPredictionWriter`) and writes, in ``output_dir``:
+:class:`~frolic_tta.lightning.writer.FrolicPredictionWriter`) and writes, in ``output_dir``:
 
-* ``metrics.json``: dataset, split, model, N, K, :math:`\tau_g`, the spread of :math:`\hat\beta`,
+* ``metrics.json``: dataset, split, model, N, K, :math:`\tau_g`, the estimated test prior and
+  the label biases (:meth:`frolic_tta.prior.Priors.summary`: spreads and undetermined classes),
   accuracy of every Table 3/4 row (labelled data only; exact ratios over ``num_evaluated``
   samples), per-class :math:`\hat\beta` and mean predicted probability before/after
   debiasing, the ``skipped`` samples (index, path, reason) and ``notes`` (a partial run, a
@@ -15,7 +16,7 @@ After the predict epoch, rank 0 joins the per-rank prediction files (written by 
 * ``head.pt``: the adapted head (``frolic_head``, :meth:`frolic_tta.FrolicHead.state_dict`) and
   ``classifier`` (state dict of the :class:`~frolic_tta.FrolicClassifier`
   :math:`f_d(x) = A(x - \mu) + c` on L2-normalised image features).
-* ``class_probability.png`` (the paper's Fig. 1c/d) and ``beta.png``.
+* ``class_probability.png`` (the paper's Fig. 1c/d) and ``priors.png``.
 
 The terminal table is printed when the predict stage has ended (``teardown``), below the closed
 progress bar, not into it.
@@ -35,9 +36,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.data.indexed import dataset_paths
-from frolic_tta.lightning.plots import plot_beta, plot_class_probability
+from frolic_tta.head import FrolicHead
+from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
 from frolic_tta.metrics import metric_key
+from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
 
 
@@ -148,7 +151,7 @@ class FrolicReport(FrolicPredictionWriter):
                 plot_class_probability(
                     probability["before"], probability["after"], names, out, title
                 )
-            plot_beta(head.beta, names, out, title)
+            plot_priors(getattr(module, "priors_", None) or stored_priors(head), names, out, title)
         self._table_due = self.print_table
 
     @staticmethod
@@ -189,7 +192,8 @@ class FrolicReport(FrolicPredictionWriter):
         paths: list[str] | None,
     ) -> dict[str, Any]:
         head = module.head
-        beta = head.beta.double().cpu()
+        priors = getattr(module, "priors_", None) or stored_priors(head)
+        summary = priors.summary()
         hparams = getattr(module, "hparams", {})
         datamodule = getattr(trainer, "datamodule", None)
         n = int(joined["index"].numel())
@@ -225,23 +229,28 @@ class FrolicReport(FrolicPredictionWriter):
             "adapted": bool(getattr(module, "adapted_", True)),
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
-            "beta": {
-                "min": float(beta.min()),
-                "max": float(beta.max()),
-                "max_over_min": float(beta.max() / beta.min()),
-                "std_log": float(beta.log().std()) if beta.numel() > 1 else 0.0,
-            },
+            **{key: value for key, value in summary.items() if key != "per_class"},
             "skipped": skipped,
             "notes": _notes(joined, n, length, len(skipped), num_evaluated, module),
             "per_class": {
                 "class_names": names,
-                "beta": beta.tolist(),
+                **summary["per_class"],
                 **{
                     f"probability_{key}": [_round(v) for v in value.double().cpu().tolist()]
                     for key, value in probability.items()
                 },
             },
         }
+
+
+def stored_priors(head: FrolicHead) -> Priors:
+    """The priors a stored head carries (no diagnostics: nothing was estimated in this run)."""
+    k = head.beta.shape[0]
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    unknown = torch.zeros(k, dtype=torch.bool)
+    zero_shot = head.zero_shot_beta if head.zero_shot_beta is not None else uniform
+    test = head.test_prior if head.test_prior is not None else uniform
+    return Priors(test, None, 0.0, None, head.beta, unknown, zero_shot, unknown)
 
 
 def _round(value: float) -> float:
@@ -293,12 +302,20 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"  {row:<{width}}  {100 * value:>7.2f}%  {ROWS[row].label}")
     else:
         lines.append("  no labels: accuracy not computed")
-    beta = summary["beta"]
     lines.append(f"  tau_c = {summary['tau_c']:.4g}, tau_g = {summary['tau_g']:.4g}")
-    lines.append(
-        f"  beta_hat: min {beta['min']:.4g}, max {beta['max']:.4g}, "
-        f"max/min {beta['max_over_min']:.3g}, std(log beta) {beta['std_log']:.3g} "
-        f"(uniform = {1 / max(summary['num_classes'], 1):.4g})"
-    )
+    test = summary["test_prior"]
+    if test["estimated"]:
+        balanced = "treated as balanced" if test["shift_weight"] == 0 else "imbalanced"
+        lines.append(
+            f"  test prior pi: {balanced} (weight {test['shift_weight']:.3g}, likelihood ratio "
+            f"{test['likelihood_ratio']:.4g}), max/min {test['max_over_min']:.3g}"
+        )
+    for key, what in (
+        ("zero_shot_beta", "pre-training prior of the zero-shot model"),
+        ("beta", "label bias removed from f_f"),
+    ):
+        beta = summary[key]
+        undetermined = f", {beta['undetermined']} undetermined" if beta["undetermined"] else ""
+        lines.append(f"  {key}: max/min {beta['max_over_min']:.3g}{undetermined} ({what})")
     lines += [f"  note: {note}" for note in summary.get("notes", [])]
     return "\n".join(lines)

@@ -1,0 +1,170 @@
+r"""Class-mass matching: the convex problem behind the label bias, the Oracle and the test prior.
+
+Given logits :math:`f` (N, K) whose softmax is a model's posterior under its pre-training prior
+:math:`\beta`, and a test prior :math:`\pi` (K,), the debiased test posterior is
+
+.. math::
+    q_i = \mathrm{softmax}(f(x_i) - \ln\beta + \ln\pi)\qquad\text{(Eq. 13, with a test prior)}.
+
+Proposition 2 (Eq. 14) characterises :math:`\beta` by :math:`\beta = S\beta`; with the class
+means of :math:`S` weighted by :math:`q` this fixed point is exactly where the debiased class
+masses equal the test prior, :math:`\frac1N\sum_i q_{ij} = \pi_j` (for :math:`\pi` uniform:
+the paper's balanced test set). That is the stationary point of the convex
+
+.. math::
+    J(b) = \frac1N\sum_i \operatorname{lse}(f_i + \ln\pi - b) + \pi^\top b,
+    \qquad b = \ln\beta + \text{const}.
+
+With true labels, :math:`\pi` = the label frequencies and :math:`J` is the cross-entropy of the
+debiased logits (GLA's supervised prior estimate): the Oracle.
+
+**Bound.** Where posteriors are hard (:math:`S \approx I`) the masses move only when a decision
+boundary crosses samples, so :math:`J` keeps decreasing as some :math:`b_j` runs off: the data
+do not determine :math:`\hat\beta`. Where a ``bound`` is given, every :math:`\ln\hat\beta_j`
+is kept within it of the mean :math:`\overline{\ln\hat\beta}` (a box:
+:math:`\max\hat\beta/\min\hat\beta \le e^{2\,\text{bound}}`). Classes at the box, and classes
+whose bias moves less than one sample's worth of posterior mass (:math:`N h_j < 1`, with
+:math:`h_j = \frac1N\sum_i q_{ij}(1 - q_{ij})`), are reported as undetermined.
+
+:func:`match_class_masses` minimises :math:`J` on the box by projected Newton steps
+preconditioned with the diagonal curvature :math:`h_j` and Armijo backtracking: one pass over the
+logits and one ``reduce_fn`` call per trial point, no K x K matrix.
+Shapes: N samples, K classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
+
+
+@dataclass(frozen=True)
+class MassMatch:
+    r"""Result of :func:`match_class_masses`.
+
+    Attributes:
+        beta: ``(K,)`` :math:`\hat\beta`, positive, sums to 1.
+        log_offset: ``(K,)`` :math:`\ln\pi - \ln\hat\beta` added to the logits (the debiased
+            logits are ``f + log_offset``).
+        undetermined: ``(K,)`` bool, classes whose :math:`\hat\beta_j` the data do not
+            determine (at the bound, or :math:`N h_j < 1`).
+        mass_error: :math:`\|m - \pi\|_1` of the debiased class masses :math:`m` at the end.
+        converged: stopped by the tolerance, not by ``max_iter``.
+        evaluations: passes over the logits.
+    """
+
+    beta: Tensor
+    log_offset: Tensor
+    undetermined: Tensor
+    mass_error: float
+    converged: bool
+    evaluations: int
+
+
+def _sums(source: LogitSource, shift: Tensor) -> Tensor:
+    """``[N, sum_i lse(f_i + shift), m_1..m_K, h_1..h_K]`` of the local shard (float64).
+
+    One exponential per entry; column sums in the logits' dtype, accumulated in float64.
+    """
+    k = shift.shape[0]
+    total = torch.zeros(2 * k + 2, dtype=torch.float64)
+    for _, logits in source.chunks():
+        shifted = logits + shift.to(logits)
+        top = shifted.max(dim=1, keepdim=True).values
+        posterior = torch.exp_(shifted - top)
+        norm = posterior.sum(dim=1, keepdim=True)
+        posterior.div_(norm)
+        total[0] += logits.shape[0]
+        total[1] += float((top + norm.log()).sum(dtype=torch.float64))
+        mass = posterior.sum(0)
+        total[2 : k + 2] += mass.double().cpu()
+        total[k + 2 :] += (mass - posterior.square_().sum(0)).double().cpu()
+    return total
+
+
+def _project(b: Tensor, bound: float) -> Tensor:
+    centred = b - b.mean()
+    return centred.clamp(-bound, bound)
+
+
+def match_class_masses(
+    source: LogitSource,
+    target: Tensor | None = None,
+    *,
+    bound: float | None = None,
+    eps: float = 0.01,
+    max_iter: int = 100,
+    prior_floor: float = 1e-30,
+    reduce_fn: ReduceFn | None = None,
+) -> MassMatch:
+    r"""Minimise :math:`J(b)` (module docstring): :math:`\hat\beta` whose debiased class masses
+    equal ``target``.
+
+    Args:
+        source: the logits :math:`f` of the local shard.
+        target: ``(K,)`` test prior :math:`\pi` (positive, sums to 1); ``None``: uniform.
+        bound: largest :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|` (``None``: only
+            ``prior_floor``).
+        eps: stop when :math:`\|\Delta\hat\beta\|_1 < \epsilon` and the projected gradient's L1
+            norm (the class-mass error where no bound is active) is :math:`< \epsilon`.
+        max_iter: cap on passes.
+        prior_floor: :math:`\hat\beta_j \ge` ``prior_floor`` / K.
+        reduce_fn: sums a tensor over shards (identity by default).
+    """
+    reduce_fn = reduce_fn or identity_reduce
+    k = source.num_classes
+    if target is None:
+        target = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    target = target.to(torch.float64).cpu()
+    log_target = torch.log(target.clamp(min=prior_floor / k))
+    box = math.log(k / prior_floor) / 2 if bound is None else float(bound)
+
+    def evaluate(b: Tensor) -> tuple[float, Tensor, Tensor, float]:
+        sums = reduce_fn(_sums(source, log_target - b))
+        n = float(sums[0])
+        objective = float(sums[1]) / n + float(target @ b)
+        return objective, target - sums[2 : k + 2] / n, sums[k + 2 :] / n, n
+
+    def projected(b: Tensor, gradient: Tensor) -> Tensor:
+        centred = b - b.mean()
+        blocked = ((centred >= box) & (gradient < 0)) | ((centred <= -box) & (gradient > 0))
+        return torch.where(blocked, torch.zeros_like(gradient), gradient)
+
+    b = torch.zeros(k, dtype=torch.float64)
+    objective, gradient, curvature, n = evaluate(b)
+    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    step_size, evaluations, converged = 1.0, 1, False
+    while evaluations < max_iter:
+        direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)
+        trial = _project(b - step_size * direction, box)
+        trial_objective, trial_gradient, trial_curvature, _ = evaluate(trial)
+        evaluations += 1
+        decrease = 1e-4 * float((gradient * (b - trial)).sum())  # Armijo, <= 0
+        if trial_objective > objective - abs(decrease) and step_size > 1e-6:
+            step_size *= 0.5  # reject: retry a shorter step from the same point
+            continue
+        b, objective, gradient, curvature = trial, trial_objective, trial_gradient, trial_curvature
+        step_size = min(1.0, 2.0 * step_size)
+        new = torch.softmax(b, 0)
+        change = float((new - beta).abs().sum())
+        beta = new
+        if change < eps and float(projected(b, gradient).abs().sum()) < eps or change == 0.0:
+            converged = True
+            break
+    centred = b - b.mean()
+    at_bound = (centred.abs() >= box * (1 - 1e-9)) & (projected(b, gradient) != gradient)
+    beta = torch.clamp(beta, min=prior_floor / k)
+    beta = beta / beta.sum()
+    return MassMatch(
+        beta=beta,
+        log_offset=log_target - torch.log(beta),
+        undetermined=at_bound | (curvature * n < 1.0),
+        mass_error=float(gradient.abs().sum()),
+        converged=converged,
+        evaluations=evaluations,
+    )
