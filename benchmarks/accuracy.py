@@ -22,34 +22,19 @@ where the world defines it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import common
 import torch
-from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 import frolic_tta
 from frolic_tta import ROWS, accuracy
-from frolic_tta.synthetic import World, clip_world, paper_world, prior_shift_world
+from frolic_tta.synthetic import World, clip_world, paper_world, prior_shift_world, zero_shot_view
 
 OPTIONS = {"default": {}, "paper": {"covariance": "paper", "bias": "paper"}}
 BIAS_METHODS = ("none", "paper", "implicit", "soft", "oracle")
-
-
-def lda_accuracy(features: torch.Tensor, labels: torch.Tensor) -> float:
-    lda = LinearDiscriminantAnalysis(solver="lsqr").fit(features.numpy(), labels.numpy())
-    return float((lda.predict(features.numpy()) == labels.numpy()).mean())
-
-
-def prop2_as_clip(world: World) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features and prototypes whose f_c = xᵀz is exactly the biased logits ``world.logits``."""
-    x, mu = world.features, world.prototypes
-    ones = torch.ones(x.shape[0], 1, dtype=x.dtype)
-    offset = -0.5 * (mu**2).sum(1) + torch.log(world.prior)
-    return torch.cat([x, ones], 1), torch.cat([mu, offset[:, None]], 1)
 
 
 def table_rows(
@@ -99,13 +84,13 @@ def run_world(name: str, make: Callable[[int], World], seed: int) -> dict[str, A
     world = make(seed)
     labels = world.labels
     if name == "prop2":
-        features, prototypes = prop2_as_clip(world)
+        features, prototypes = zero_shot_view(world)
         tau_c = 1.0
     else:
         features, prototypes, tau_c = world.features, world.prototypes, 0.01
     rows, caught = table_rows(features, prototypes, labels, tau_c)
     result: dict[str, Any] = {"rows": rows, "warnings": caught}
-    result["lda"] = lda_accuracy(world.features.double(), labels)
+    result["lda"] = common.lda_accuracy(world.features.double(), labels)
     if world.bayes_logits is not None:
         result["bayes"] = accuracy(world.bayes_logits, labels)
     if name == "prop2":
@@ -113,29 +98,20 @@ def run_world(name: str, make: Callable[[int], World], seed: int) -> dict[str, A
     return result
 
 
-def mean_sd(values: list[float]) -> dict[str, Any]:
-    """Mean and sd over the seeds that produced a number; ``failed`` counts the others."""
-    finite = [v for v in values if v == v]
-    return {
-        "mean": statistics.fmean(finite) if finite else None,
-        "sd": statistics.stdev(finite) if len(finite) > 1 else 0.0,
-        "failed": len(values) - len(finite),
-    }
-
-
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean and sd over seeds of every number in the runs."""
     out: dict[str, Any] = {"rows": {}, "warnings": sorted({w for r in runs for w in r["warnings"]})}
     for option in OPTIONS:
         out["rows"][option] = {
-            row: mean_sd([r["rows"][option][row] for r in runs]) for row in runs[0]["rows"][option]
+            row: common.mean_sd([r["rows"][option][row] for r in runs])
+            for row in runs[0]["rows"][option]
         }
     for key in ("lda", "bayes"):
         if key in runs[0]:
-            out[key] = mean_sd([r[key] for r in runs])
+            out[key] = common.mean_sd([r[key] for r in runs])
     if "bias" in runs[0]:
         out["bias"] = {
-            method: {m: mean_sd([r["bias"][method][m] for r in runs]) for m in values}
+            method: {m: common.mean_sd([r["bias"][method][m] for r in runs]) for m in values}
             for method, values in runs[0]["bias"].items()
         }
     return out

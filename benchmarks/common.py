@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -161,6 +162,25 @@ def now() -> float:
 
 
 # ---------------------------------------------------------------- tables
+def mean_sd(values: list[float]) -> dict[str, Any]:
+    """Mean and sd over the seeds that produced a number; ``failed`` counts the others."""
+    finite = [v for v in values if v == v]
+    return {
+        "mean": statistics.fmean(finite) if finite else None,
+        "sd": statistics.stdev(finite) if len(finite) > 1 else 0.0,
+        "failed": len(values) - len(finite),
+    }
+
+
+def lda_accuracy(features: torch.Tensor, labels: torch.Tensor) -> float:
+    """scikit-learn's supervised LDA fit and scored on the same data (an upper bound)."""
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+    x, y = features.double().numpy(), labels.numpy()
+    lda = LinearDiscriminantAnalysis(solver="lsqr").fit(x, y)
+    return float((lda.predict(x) == y).mean())
+
+
 def fmt(value: Any, digits: int = 3) -> str:
     """A table cell: floats with ``digits`` significant-ish digits, None as a dash."""
     if value is None:

@@ -1,7 +1,8 @@
 """Regenerate the README's benchmark section from ``benchmarks/results/*.json``.
 
-Run: ``python benchmarks/report.py`` (rewrites README.md between ``<!-- benchmarks:start -->``
-and ``<!-- benchmarks:end -->`` only); ``--check`` exits 1 if the README is out of date.
+Run: ``python benchmarks/report.py`` (rewrites README.md between ``<!-- <name>:start -->`` and
+``<!-- <name>:end -->`` for each block of :data:`BLOCKS` only); ``--check`` exits 1 if the README
+is out of date.
 The scripts print the same tables: ``overhead.py``, ``finalize.py``, ``ddp.py``,
 ``accuracy.py`` (each ``--quick`` for a smoke run, whose ``*_quick.json`` is not reported).
 """
@@ -13,6 +14,7 @@ import sys
 from typing import Any
 
 from common import ROOT, fmt, markdown_table, read_result
+from report_shift import label_shift_section, pretrained_section
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")
@@ -376,6 +378,14 @@ def section(suffix: str = "") -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+BLOCKS = {
+    "benchmarks": section,
+    "label-shift": lambda: label_shift_section(read_result("label_shift")) + "\n",
+    "pretrained-bias": lambda: pretrained_section(read_result("pretrained_bias")) + "\n",
+}
+"""README blocks between ``<!-- name:start -->`` and ``<!-- name:end -->`` and their builders."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if README is out of date")
@@ -386,13 +396,17 @@ def main() -> None:
         return
     readme = ROOT / "README.md"
     text = readme.read_text()
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n{section()}{END}{tail}"
+    new = text
+    for marker, build in BLOCKS.items():
+        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+        if start in new:
+            head, rest = new.split(start, 1)
+            _, tail = rest.split(end, 1)
+            new = f"{head}{start}\n{build()}{end}{tail}"
     if args.check:
         sys.exit(0 if new == text else 1)
     readme.write_text(new)
-    print(f"rewrote the benchmarks section of {readme.relative_to(ROOT)}")
+    print(f"rewrote the generated sections of {readme.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

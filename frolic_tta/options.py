@@ -121,7 +121,7 @@ class FrolicOptions:
     bias: BiasMethod = "soft"
     test_prior: TestPriorMethod = "em"
     em_iterations: int = 12
-    shift_evidence: float = 4.0
+    shift_evidence: float = 2.0
     beta_ratio_bound: float | None = 1e8
     eps: float = 0.01
     max_iter: int = 100

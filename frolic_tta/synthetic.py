@@ -233,3 +233,16 @@ def clip_like_world(
     text = 0.8 * gap_txt + classes + (0.5 + delta)[:, None] * gap_img
     text += 0.2 / math.sqrt(dim) * torch.randn(num_classes, dim, generator=g)
     return World(features, _unit(text), labels)
+
+
+def zero_shot_view(world: World) -> tuple[Tensor, Tensor]:
+    r"""Features and prototypes of :func:`prior_shift_world` whose zero-shot logits
+    :math:`x^\top z` are exactly the biased posterior logits ``world.logits``: features
+    :math:`[x, 1]`, prototypes :math:`[\mu_j, -\frac12\|\mu_j\|^2 + \ln\beta^*_j]`
+    (use ``tau_c=1``)."""
+    if world.prior is None:
+        raise ValueError("Expected a prior_shift_world (with `prior`), but got a world without")
+    x, mu = world.features, world.prototypes
+    ones = torch.ones(x.shape[0], 1, dtype=x.dtype)
+    offset = -0.5 * (mu**2).sum(1) + torch.log(world.prior)
+    return torch.cat([x, ones], 1), torch.cat([mu, offset[:, None]], 1)

@@ -250,7 +250,7 @@ def stored_priors(head: FrolicHead) -> Priors:
     unknown = torch.zeros(k, dtype=torch.bool)
     zero_shot = head.zero_shot_beta if head.zero_shot_beta is not None else uniform
     test = head.test_prior if head.test_prior is not None else uniform
-    return Priors(test, None, 0.0, None, head.beta, unknown, zero_shot, unknown)
+    return Priors(test, None, 0.0, None, None, head.beta, unknown, zero_shot, unknown)
 
 
 def _round(value: float) -> float:

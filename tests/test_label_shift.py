@@ -1,0 +1,116 @@
+"""The default under test label shift, on separable and confident data, and in the balanced
+setting, on worlds with known test priors (``benchmarks/label_shift.py`` measures the same at
+full size)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import frolic_tta
+from frolic_tta import accuracy
+from frolic_tta.options import FrolicOptions
+from frolic_tta.synthetic import (
+    clip_like_world,
+    prior_shift_world,
+    shifted_prior,
+    zero_shot_view,
+)
+from tests.sharding import run_sharded
+
+BALANCED = FrolicOptions(test_prior="uniform")
+
+
+def fit(x, z, options=None, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return frolic_tta.frolic(x, z, options, **kwargs)
+
+
+def rows(result, labels):
+    return {key: accuracy(logits, labels) for key, logits in result.ablations(labels).items()}
+
+
+@pytest.mark.parametrize("kind", ["long-tailed:10", "long-tailed:100", "subset:0.3"])
+def test_label_shift_does_no_harm_and_nears_the_known_prior(kind):
+    world = clip_like_world(5000, test_prior=shifted_prior(kind, 50))
+    result = fit(world.features, world.prototypes)
+    acc = rows(result, world.labels)
+    assert acc["f_d"] >= max(acc["f_c"], acc["f_f"]) + 0.05
+    assert (
+        acc["f_d"] >= acc["f_d balanced"] + 0.1
+    )  # the balanced assumption corrects the shift away
+    assert acc["f_d"] >= acc["oracle"] - 0.15  # oracle: masses matched to the true frequencies
+    truth = torch.bincount(world.labels, minlength=50).double() / len(world.labels)
+    uniform = torch.full((50,), 1 / 50, dtype=torch.float64)
+    error = float((result.priors.test_prior - truth).abs().sum())
+    assert error < 0.5 * float((uniform - truth).abs().sum())
+    assert result.priors.shift_weight > 0.8
+
+
+@pytest.mark.parametrize("world_name", ["clip", "prop2"])
+def test_balanced_worlds_keep_the_previous_default(world_name):
+    if world_name == "clip":
+        world = clip_like_world(5000, seed=1)
+        x, z, tau_c = world.features, world.prototypes, 0.01
+    else:
+        world = prior_shift_world(20000, 10, 16, separation=0.5, ratio=20.0, seed=1)
+        (x, z), tau_c = zero_shot_view(world), 1.0
+    default, previous = fit(x, z, tau_c=tau_c), fit(x, z, BALANCED, tau_c=tau_c)
+    assert accuracy(default.logits, world.labels) >= accuracy(previous.logits, world.labels) - 0.01
+    if world.prior is not None:  # the zero-shot model's pre-training prior is beta*
+        assert float((default.priors.zero_shot_beta - world.prior).abs().sum()) < 0.1
+
+
+def test_separable_natural_counts_are_trusted():
+    world = clip_like_world(5000, 400, 256, noise=0.08, tilt=0.1, text_bias=0.02, sample=True)
+    result = fit(world.features, world.prototypes)
+    acc = rows(result, world.labels)
+    assert acc["f_d"] >= max(acc["f_c"], acc["f_f"]) and acc["f_d"] >= acc["f_d balanced"]
+    assert result.priors.disagreement < 0.05 and result.priors.shift_weight > 0.5
+
+
+def test_confident_posteriors_keep_beta_a_bounded_prior_and_say_so():
+    world = clip_like_world(5000, seed=4)
+    with pytest.warns(UserWarning, match="do not determine the label bias"):
+        result = frolic_tta.frolic(world.features, world.prototypes, tau_c=0.0005)
+    priors = result.priors
+    ratio = float(priors.zero_shot_beta.max() / priors.zero_shot_beta.min())
+    assert ratio <= 1e8 * (1 + 1e-6)  # beta_ratio_bound
+    assert bool(priors.zero_shot_beta_undetermined.any())
+    summary = priors.summary()["zero_shot_beta"]
+    assert summary["determined"] is False and summary["undetermined"] >= 1
+    assert accuracy(result.logits, world.labels) >= accuracy(result.zero_shot_logits, world.labels)
+
+
+def test_oracle_is_well_posed_on_confident_bayes_posteriors():
+    """Issue 10 item 5: the exact (S - I + 11^T) solve dropped accuracy 1.00 -> 0.30 here."""
+    world = prior_shift_world(300, 10, 16, separation=1.5, ratio=20.0, seed=0)
+    beta = frolic_tta.estimate_label_bias(world.bayes_logits, labels=world.labels)
+    assert accuracy(world.bayes_logits - beta.log(), world.labels) >= 0.99
+    assert bool(torch.isfinite(beta).all())
+
+
+def test_sharded_default_equals_whole_with_an_estimated_prior():
+    world = clip_like_world(3001, 20, 64, test_prior=shifted_prior("long-tailed:10", 20))
+    x, z = world.features.double(), world.prototypes.double()
+    whole = fit(x, z)
+    parts = run_sharded(
+        lambda shard, reduce_fn: fit(shard, z, reduce_fn=reduce_fn), [x[:1900], x[1900:]]
+    )
+    assert whole.priors.shift_weight > 0.5
+    for part in parts:
+        torch.testing.assert_close(part.head.test_prior, whole.head.test_prior, rtol=0, atol=1e-9)
+        torch.testing.assert_close(part.head.beta, whole.head.beta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.cat([p.logits for p in parts]), whole.logits, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_paper_options_stay_reachable():
+    world = clip_like_world(2000, seed=2)
+    paper = fit(world.features, world.prototypes, frolic_tta.options.paper_options())
+    assert paper.options.test_prior == "uniform" and paper.priors.raw_test_prior is None
+    assert "f_d balanced" not in paper.ablations(world.labels)
