@@ -19,6 +19,9 @@ Covariance = Literal["soft", "paper"]
 """``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7."""
 BiasMethod = Literal["soft", "paper", "implicit", "none"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias`."""
+ZeroShot = Literal["text", "inmap"]
+"""``"text"``: the text prototypes; ``"inmap"``: InMaP's image-space proxies
+(:mod:`frolic_tta.inmap`)."""
 ShrinkageMode = Literal["auto", "oas"]
 Shrinkage = float | ShrinkageMode | None
 """``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
@@ -26,6 +29,7 @@ Shrinkage = float | ShrinkageMode | None
 COVARIANCES: tuple[str, ...] = get_args(Covariance)
 BIAS_METHODS: tuple[str, ...] = get_args(BiasMethod)
 SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
+ZERO_SHOTS: tuple[str, ...] = get_args(ZeroShot)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -75,6 +79,10 @@ class FrolicOptions:
         eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
         max_iter: cap on the label-bias iterations.
         prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
+        zero_shot: the zero-shot classifier :math:`f_c`: ``"text"`` (default; the text
+            prototypes at :math:`\tau_c`) or ``"inmap"`` (InMaP's proxies learned on the test
+            images, at their temperature 0.04: Tables 1-2's "InMaP + Frolic"; 2,022 extra
+            passes over the features, see :mod:`frolic_tta.inmap`).
 
     Example::
 
@@ -92,6 +100,7 @@ class FrolicOptions:
     eps: float = 0.01
     max_iter: int = 100
     prior_floor: float = 1e-30
+    zero_shot: ZeroShot = "text"
 
     def __post_init__(self) -> None:
         check_choice("covariance", self.covariance, COVARIANCES)
@@ -105,6 +114,7 @@ class FrolicOptions:
         floor = check_positive("prior_floor", self.prior_floor)
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
+        check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
 
 
 def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> FrolicOptions:
