@@ -56,15 +56,15 @@ from frolic_tta.options import check_positive
 from frolic_tta.validation import check_matrix
 
 PROXY_TEMPERATURE = 0.04
-"""InMaP's :math:`\\tau_i` (its ImageNet default): the proxies' softmax temperature."""
+r"""InMaP's :math:`\tau_i` (its ImageNet default): the proxies' softmax temperature."""
 
 
 class ProxyClassifier(NamedTuple):
-    """InMaP's classifier :math:`f(x) = Wx` and the temperature of its probabilities.
+    r"""InMaP's classifier :math:`f(x) = Wx` and the temperature of its probabilities.
 
     Attributes:
         prototypes: ``(K, d)`` float64 proxies :math:`w_j`, unit rows.
-        temperature: :math:`\\tau_i`: probabilities are :math:`\\mathrm{softmax}(Wx/\\tau_i)`.
+        temperature: :math:`\tau_i`: probabilities are :math:`\mathrm{softmax}(Wx/\tau_i)`.
     """
 
     prototypes: Tensor

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,3 +143,20 @@ def test_bad_options_and_arguments_say_what_was_expected(world):
         inmap_proxies(x[:, :10], z)
     with pytest.raises(ValueError, match="Expected `prototypes` to have at least 2 rows"):
         inmap_proxies(x, z[:1])
+
+
+def test_command_line_runs_frolic_on_inmap(tiny_clip, image_folder, tmp_path, capsys):
+    from frolic_tta.lightning.cli import main
+    from tests.test_cli import tiny_args
+
+    args = ["--model.options.zero_shot", "inmap", "--trainer.enable_progress_bar", "false"]
+    main(tiny_args(tiny_clip, image_folder, tmp_path, *args, "--report.plots", "false"))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["options"]["zero_shot"] == "inmap" and metrics["tau_c"] == 0.04
+    assert any("InMaP" in note for note in metrics["notes"]) and "InMaP" in capsys.readouterr().out
+    assert set(metrics["ece"]) == set(frolic_tta.ROWS)
+    head = torch.load(tmp_path / "head.pt", weights_only=True)["frolic_head"]
+    assert head["tau_c"] == 0.04  # the stored head scores with the proxies' temperature
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_args(tiny_clip, image_folder, tmp_path, "--model.options.zero_shot", "clip"))
+    assert exit_info.value.code == 2
