@@ -180,6 +180,9 @@ def test_class_probability_and_no_logits_mode(tiny_clip, single_101):
     lean_out = concat_outputs(make_trainer().predict(lean, loader(101)))
     assert "logits" not in lean_out
     assert torch.equal(lean_out["prediction"], out["prediction"])
+    scores = {key for key in lean.metrics_ if "/" in key}  # ablations off: f_d's metrics only
+    assert scores == {f"{kind}/f_d" for kind in ("acc", "top5", "recall", "ece", "nll")}
+    assert lean.metrics_["nll/f_d"] == pytest.approx(module.metrics_["nll/f_d"], rel=1e-4)
 
 
 def test_batch_without_index_is_rejected(tiny_clip):
@@ -228,10 +231,13 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
     summary = torch.load(tmp_path / "summary.pt", weights_only=False)
     assert summary["tau_g"] == pytest.approx(single_module.head.tau_g, rel=1e-4)
     torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-4)
-    accuracies = {k: v for k, v in single_module.metrics_.items() if k.startswith("acc/")}
-    assert len(accuracies) == 9
-    for key, value in accuracies.items():  # synced over ranks: same counts as one process
-        assert summary["metrics"][key] == pytest.approx(value, abs=1e-6), key
+    scores = {k: v for k, v in single_module.metrics_.items() if "/" in k}
+    assert len(scores) == 9 * 5  # top-1, top-5, recall, ECE, NLL of the 9 rows
+    for key, value in scores.items():  # synced over ranks: same counts as one process
+        counted = key.startswith(("acc/", "top5/", "recall/"))
+        tolerance = {"abs": 1e-6} if counted else {"rel": 1e-4}  # ECE, NLL: see the logits
+        assert summary["metrics"][key] == pytest.approx(value, **tolerance), key
+    assert set(summary["class_accuracy"]) == set(frolic_tta.ROWS)
 
 
 def test_ddp_notebook_in_process_equals_single_process(tiny_clip, tmp_path):
@@ -311,7 +317,7 @@ def test_forward_gives_the_adapted_logits_or_says_why_not(tiny_clip, single_101)
 def test_accuracies_are_exact_ratios(single_101):
     module, out, _ = single_101
     for key, value in module.metrics_.items():
-        if key.startswith("acc/"):
+        if key.startswith(("acc/", "top5/")):
             assert value * 101 == pytest.approx(round(value * 101), abs=1e-9), key
             assert value == round(value * 101) / 101, key  # no float32 noise
 
