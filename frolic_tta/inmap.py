@@ -29,12 +29,15 @@ so every shard takes the same steps and 2 shards give the proxies of 1. ``tau_t`
 zero-shot temperature :math:`\tau_c` of the model (InMaP's 0.01 is OpenAI CLIP's).
 
 **Cost.** One pass over the features per Sinkhorn step, one for the labels, and per proxy step
-two ``(N, d) x (d, K)`` products: 2,022 passes, about :math:`4\,\text{iterations}\,NKd`
-flops (:math:`2\times10^{14}` at ImageNet size, N = 50,000, K = 1,000, d = 512): minutes on a
-GPU, tens of minutes on a few CPU cores (``benchmarks/inmap.py`` measures it); memory one
-``(chunk, K)`` block. Deviations from the reference code: float64 proxies and sums (float32
-products per chunk), the labels' column scaling kept in log space and floored at the smallest
-float64 (a class no image prefers would give NaN there), ``gamma > 0`` not implemented.
+two ``(N, d) x (d, K)`` products (one pass): with ``fit_frolic``'s extra moment pass 2,022
+passes, about :math:`4\,\text{iterations}\,NKd` flops (:math:`2\times10^{14}` at ImageNet
+size, N = 50,000, K = 1,000, d = 512), about an hour on 2 CPU cores (1.7 s per step, measured
+by ``benchmarks/inmap.py``; not measured on a GPU); memory one ``(chunk, K)`` block.
+
+Deviations from the reference code: float64 proxies and reduced sums (each shard's gradient
+is accumulated in the features' dtype, float32 for CLIP features, like the reference's float32
+product), the labels' column scaling kept in log space and floored at the smallest float64 (a
+class no image prefers would give NaN there), ``gamma > 0`` not implemented.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -185,11 +188,11 @@ def inmap_proxies(
     step, previous = float(learning_rate), float("inf")
     dtype = compute_dtype(features)
     for _ in range(iterations):
-        gradient = torch.zeros_like(proxies)
         weight = (proxies / temperature).to(dtype).t().contiguous()
-        for block in chunks:
-            gradient += (torch.softmax(block @ weight, dim=1).t() @ block).to(gradient)
-        gradient = reduce_fn(gradient) - target
+        local = torch.zeros(proxies.shape, dtype=dtype, device=features.device)
+        for block in chunks:  # sum_i softmax(W x_i / tau_i) x_i^T, accumulated in place
+            local.addmm_(torch.softmax(block @ weight, dim=1).t(), block)
+        gradient = reduce_fn(local.to(torch.float64)) - target
         norm = float(gradient.norm())
         if norm > previous:
             step /= 2.0
