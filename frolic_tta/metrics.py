@@ -229,7 +229,7 @@ def update_row_metrics(
         for start, logits in classifier.source(features, chunk_size).chunks():
             target = labels[start : start + logits.shape[0]].to(logits.device)
             for kind, metric in present.items():
-                if kind == "ece":  # probabilities: torchmetrics would softmax only some inputs
+                if kind == "ece":  # torchmetrics softmaxes only preds outside [0, 1]
                     metric.update(torch.softmax(logits, dim=1), target)
                 else:
                     metric.update(logits, target)

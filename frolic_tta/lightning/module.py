@@ -363,7 +363,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
                     f"{used - counts['labelled']} of the {used} usable samples carry no label: "
                     f"accuracy is computed on the {counts['labelled']} that do"
                 )
-            self._evaluate(features, torch.cat(self._labels), sums, counts["labelled"])
+            self._evaluate(features, torch.cat(self._labels), fit.sums, counts["labelled"])
         self._features, self._labels = [], []
         self.adapted_ = True
 
