@@ -5,22 +5,31 @@ r"""Statistics accumulated across ranks, as torchmetrics ``Metric`` states.
   ``dist_reduce_fx="sum"``, so torchmetrics' sync (or :meth:`MomentSums.reduce` with any
   all-reduce) merges shards exactly; ``compute()`` returns the reduced
   :class:`~frolic_tta.gda.MomentSums`.
-* :func:`row_accuracies` and :func:`update_row_accuracies` -- the accuracy of every row of
-  :data:`frolic_tta.rows.ROWS`, one ``MulticlassAccuracy`` per row, fed chunk by chunk.
+* :func:`row_metrics`, :func:`update_row_metrics` and :func:`compute_row_metrics` -- what
+  users compare on, for every row of :data:`frolic_tta.rows.ROWS`: top-1 and top-5 accuracy,
+  mean per-class recall, expected calibration error, negative log-likelihood and per-class
+  accuracy (:data:`ROW_METRICS`), torchmetrics metrics fed chunk by chunk (no ``(N, K)``
+  tensor beyond one chunk) and synced over the process group by ``compute()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassCalibrationError,
+    MulticlassRecall,
+)
 
 from frolic_tta.gda import MomentSums, moment_sums
+from frolic_tta.head import FrolicHead
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap
-from frolic_tta.rows import available_rows
+from frolic_tta.rows import ROWS, available_rows
 
 
 class FrolicMoments(Metric):
@@ -96,32 +105,176 @@ class FrolicMoments(Metric):
         )
 
 
-def metric_key(row: str) -> str:
-    """A logger-friendly name for a row: ``"f_c - ln beta"`` -> ``"acc/f_c-ln_beta"``."""
-    return "acc/" + row.replace(" - ", "-").replace(" + ", "+").replace(" ", "_")
+ROW_METRICS: dict[str, str] = {
+    "acc": "top-1 accuracy",
+    "top5": "top-5 accuracy (top-K when K < 5)",
+    "recall": "mean per-class recall (balanced accuracy)",
+    "ece": "expected calibration error (15 equal-width confidence bins, L1)",
+    "nll": "negative log-likelihood of the true class (nats per sample)",
+}
+"""Scalar metrics of every row, by key prefix (``"acc/f_d"``). Per-class accuracy (recall of
+each class, ``(K,)``) is ``"class_acc/<row>"``. Probabilities are the row's
+(:meth:`frolic_tta.rows.Row.in_logit_units`)."""
+CLASS_ACCURACY = "class_acc"
 
 
-def row_accuracies(num_classes: int, labelled: bool = True) -> MetricCollection:
-    """One micro-averaged multiclass accuracy per available row, keyed by :func:`metric_key`."""
+class NegativeLogLikelihood(Metric):
+    r"""Mean negative log-likelihood :math:`-\frac1N\sum_i \ln\mathrm{softmax}(l_i)_{y_i}`.
+
+    Float64 sums (``dist_reduce_fx="sum"``) of :math:`-\ln p_{i y_i}` and of N; ``update``
+    takes logits ``(n, K)`` (log-softmax taken here, in float64) and targets ``(n,)``.
+
+    Example::
+
+        >>> import torch
+        >>> metric = NegativeLogLikelihood()
+        >>> metric.update(torch.zeros(4, 2), torch.tensor([0, 1, 1, 0]))
+        >>> round(float(metric.compute()), 6)  # ln 2
+        0.693147
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    total: Tensor
+    count: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: Tensor, target: Tensor) -> None:
+        """Add ``logits`` ``(n, K)`` with true classes ``target`` ``(n,)``."""
+        if logits.ndim != 2 or target.shape != logits.shape[:1]:
+            raise ValueError(
+                f"Expected `logits` (n, K) and `target` (n,), but got {tuple(logits.shape)} "
+                f"and {tuple(target.shape)}"
+            )
+        log_p = torch.log_softmax(logits.double(), dim=1)
+        self.total -= log_p.gather(1, target.long()[:, None]).sum()
+        self.count += target.numel()
+
+    def compute(self) -> Tensor:
+        """The mean over all samples (synced), float64."""
+        return self.total / self.count
+
+
+def metric_key(row: str, metric: str = "acc") -> str:
+    """A logger-friendly name: ``metric_key("f_c - ln beta")`` -> ``"acc/f_c-ln_beta"``,
+    ``metric_key("f_d", "ece")`` -> ``"ece/f_d"``."""
+    return f"{metric}/" + row.replace(" - ", "-").replace(" + ", "+").replace(" ", "_")
+
+
+def _row_metric(kind: str, num_classes: int) -> Metric:
+    if kind == "acc":
+        return MulticlassAccuracy(num_classes, average="micro")
+    if kind == "top5":
+        return MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+    if kind == "recall":
+        return MulticlassRecall(num_classes, average="macro")
+    if kind == CLASS_ACCURACY:
+        return MulticlassRecall(num_classes, average="none")
+    if kind == "ece":
+        return MulticlassCalibrationError(num_classes, n_bins=15, norm="l1")
+    return NegativeLogLikelihood()
+
+
+def row_metrics(
+    num_classes: int,
+    labelled: bool = True,
+    rows: Iterable[str] | None = None,
+    kinds: Iterable[str] = (*ROW_METRICS, CLASS_ACCURACY),
+) -> MetricCollection:
+    """The metrics ``kinds`` (default: all of :data:`ROW_METRICS` and per-class accuracy) of
+    every available row (of ``rows``, default all), keyed by :func:`metric_key`.
+
+    Mean per-class recall is torchmetrics' macro recall: a class with no labelled sample is
+    left out unless it is predicted (then it counts 0, as scikit-learn's ``recall_score``);
+    with every class present it is scikit-learn's ``balanced_accuracy_score``.
+    """
+    wanted = available_rows(num_classes, labelled)
+    wanted = wanted if rows is None else [key for key in wanted if key in set(rows)]
     return MetricCollection(
-        {
-            metric_key(row): MulticlassAccuracy(num_classes, average="micro")
-            for row in available_rows(num_classes, labelled)
-        }
+        {metric_key(row, kind): _row_metric(kind, num_classes) for row in wanted for kind in kinds},
+        compute_groups=False,
     )
 
 
-def update_row_accuracies(
+def row_accuracies(num_classes: int, labelled: bool = True) -> MetricCollection:
+    """Top-1 accuracy only (:func:`row_metrics` with ``kinds=("acc",)``)."""
+    return row_metrics(num_classes, labelled, kinds=("acc",))
+
+
+def update_row_metrics(
     metrics: MetricCollection,
     rows: dict[str, AffineMap],
     features: Tensor,
     labels: Tensor,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> None:
-    """Feed every row's predictions on the local shard ``features`` ``(N_local, d)`` into
-    ``metrics`` (chunked; no ``(N, K)`` tensor)."""
+    """Feed every row's predictions on the local shard ``features`` ``(N_local, d)`` with
+    ``labels`` ``(N_local,)`` into those of ``metrics`` that exist (chunked; no ``(N, K)``).
+
+    ``rows`` map keys to classifiers *in logit units* (softmax gives the row's probabilities:
+    :meth:`frolic_tta.rows.Row.in_logit_units`); accuracies depend on the argmax only.
+    """
     for row, classifier in rows.items():
-        metric = metrics[metric_key(row)]
+        present = {
+            kind: metrics[metric_key(row, kind)]
+            for kind in (*ROW_METRICS, CLASS_ACCURACY)
+            if metric_key(row, kind) in metrics
+        }
         for start, logits in classifier.source(features, chunk_size).chunks():
             target = labels[start : start + logits.shape[0]].to(logits.device)
-            metric.update(logits.argmax(1), target)
+            for kind, metric in present.items():
+                if kind == "ece":  # torchmetrics softmaxes only preds outside [0, 1]
+                    metric.update(torch.softmax(logits, dim=1), target)
+                else:
+                    metric.update(logits, target)
+
+
+update_row_accuracies = update_row_metrics
+
+
+def exact_ratio(value: float, count: int) -> float:
+    """A float32 ratio ``correct / count`` as the exact float64 ratio (``count < 2**23``)."""
+    if count <= 0 or count >= 2**23:
+        return float(value)
+    return round(float(value) * count) / count
+
+
+def compute_row_metrics(
+    metrics: MetricCollection, rows: Iterable[str], num_labelled: int | None = None
+) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """``metrics.compute()`` (synced over the process group) split into the scalars, keyed
+    by :func:`metric_key`, and the per-class accuracies ``(K,)`` of ``rows``, keyed by row.
+    With ``num_labelled`` (all ranks'), top-1 and top-5 are exact ratios over it."""
+    computed = metrics.compute()
+    class_keys = {metric_key(row, CLASS_ACCURACY): row for row in rows}
+    scalars = {k: float(v) for k, v in computed.items() if k not in class_keys}
+    if num_labelled is not None:
+        for key in [k for k in scalars if k.split("/")[0] in ("acc", "top5")]:
+            scalars[key] = exact_ratio(scalars[key], num_labelled)
+    per_class = {class_keys[k]: v.double().cpu() for k, v in computed.items() if k in class_keys}
+    return scalars, per_class
+
+
+def evaluate_rows(
+    rows: dict[str, AffineMap],
+    head: FrolicHead,
+    features: Tensor,
+    labels: Tensor,
+    *,
+    num_labelled: int | None = None,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Every metric of the built ``rows`` (:func:`frolic_tta.rows.build_rows`) on the local
+    shard ``features`` ``(N_local, d)`` with ``labels`` ``(N_local,)``, synced over the process
+    group: :func:`compute_row_metrics` of :func:`row_metrics` fed by :func:`update_row_metrics`
+    with each row in logit units (:meth:`frolic_tta.rows.Row.in_logit_units`)."""
+    logits = {key: ROWS[key].in_logit_units(row, head) for key, row in rows.items()}
+    metrics = row_metrics(head.prototypes.shape[0], rows=rows).to(features.device)
+    update_row_metrics(metrics, logits, features, labels.to(features.device), chunk_size)
+    return compute_row_metrics(metrics, rows, num_labelled)

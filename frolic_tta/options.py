@@ -22,6 +22,9 @@ BiasMethod = Literal["soft", "paper", "implicit", "none"]
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
 test set, the paper's assumption (Proposition 2)."""
+ZeroShot = Literal["text", "inmap"]
+"""``"text"``: the text prototypes; ``"inmap"``: InMaP's image-space proxies
+(:mod:`frolic_tta.inmap`)."""
 ShrinkageMode = Literal["auto", "oas"]
 Shrinkage = float | ShrinkageMode | None
 """``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
@@ -30,6 +33,7 @@ COVARIANCES: tuple[str, ...] = get_args(Covariance)
 BIAS_METHODS: tuple[str, ...] = get_args(BiasMethod)
 SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
 TEST_PRIORS: tuple[str, ...] = get_args(TestPriorMethod)
+ZERO_SHOTS: tuple[str, ...] = get_args(ZeroShot)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -105,6 +109,10 @@ class FrolicOptions:
         eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
         max_iter: cap on the label-bias iterations.
         prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
+        zero_shot: the zero-shot classifier :math:`f_c`: ``"text"`` (default; the text
+            prototypes at :math:`\tau_c`) or ``"inmap"`` (InMaP's proxies learned on the test
+            images, at their temperature 0.04: Tables 1-2's "InMaP + Frolic"; 2,022 extra
+            passes over the features, see :mod:`frolic_tta.inmap`).
 
     Example::
 
@@ -126,6 +134,7 @@ class FrolicOptions:
     eps: float = 0.01
     max_iter: int = 100
     prior_floor: float = 1e-30
+    zero_shot: ZeroShot = "text"
 
     def __post_init__(self) -> None:
         check_choice("covariance", self.covariance, COVARIANCES)
@@ -150,6 +159,7 @@ class FrolicOptions:
         floor = check_positive("prior_floor", self.prior_floor)
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
+        check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
 
 
 def paper_options(**overrides: Any) -> FrolicOptions:

@@ -26,6 +26,7 @@ from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
+from frolic_tta.inmap import inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
@@ -103,7 +104,8 @@ def fit_frolic(
             :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
             own (``frolic_tta.clip.model_temperature(model)``).
         sums: already *reduced* moment sums (e.g. from :class:`frolic_tta.metrics.FrolicMoments`);
-            computed from ``features`` and reduced with ``reduce_fn`` if ``None``.
+            computed from ``features`` and reduced with ``reduce_fn`` if ``None`` (always with
+            ``zero_shot="inmap"``, whose proxies replace ``prototypes`` and ``tau_c``).
         reduce_fn: sums a tensor over shards (identity by default).
         keep_logits: hold one ``(N_local, K)`` buffer (fast; it becomes ``FrolicFit.logits`` =
             :math:`f_d`) or recompute logits chunk by chunk (no N x K tensor at all).
@@ -112,6 +114,10 @@ def fit_frolic(
     options = resolve_options(options, **overrides)
     reduce_fn = reduce_fn or identity_reduce
     check_finite_everywhere(features, reduce_fn)
+    if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
+        sums = None  # the soft sums depend on the prototypes: recomputed below (one pass)
     if sums is None:
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
     k = prototypes.shape[0]

@@ -6,8 +6,15 @@ an :class:`~frolic_tta.logits.AffineMap` (every row is affine in the features). 
 estimate a prior (debiased :math:`f_c`, implicit, Oracle) stream the local shard and call
 ``reduce_fn``; they are called in registry order on every rank, so the collectives line up.
 
-:meth:`frolic_tta.FrolicResult.ablations`, the module's accuracy metrics, the report's table
-and the benchmarks all iterate :data:`ROWS`; adding a row here adds it everywhere.
+:meth:`frolic_tta.FrolicResult.ablations`, the module's metrics, the report's table and the
+benchmarks all iterate :data:`ROWS`; adding a row here adds it everywhere.
+
+Probabilities (for calibration: ECE, NLL): :math:`f_c` and TDE are stored unscaled
+(:math:`x^\top z`) and become logits divided by :math:`\tau_c`, :math:`f_g` divided by its
+matched :math:`\tau_g`; the other rows are logits already (:math:`f_c - \ln\beta` is
+:math:`f_c/\tau_c - \ln\beta`; :math:`f_f`, :math:`f_d`, implicit and Oracle are on the scale
+of Eq. 12; :math:`f_c + f_g` is the plain sum of the scores, the paper's uncalibrated fusion).
+See :attr:`Row.temperature`.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -77,6 +85,9 @@ class Row:
         needs_labels: only built when true labels are given (the Oracle).
         max_classes: left out above this K (``None``: always built).
         needs_test_prior: only built when the test prior is estimated (``test_prior="em"``).
+        temperature: the head's temperature (``"tau_c"``, ``"tau_g"``) that turns the row's
+            scores into logits, or ``None``: already logits. The row's probabilities are
+            ``softmax(scores / temperature)`` (calibration metrics; argmax unchanged).
     """
 
     key: str
@@ -86,6 +97,7 @@ class Row:
     needs_labels: bool = False
     max_classes: int | None = None
     needs_test_prior: bool = False
+    temperature: Literal["tau_c", "tau_g"] | None = None
 
     def available(
         self, num_classes: int, labelled: bool, options: FrolicOptions | None = None
@@ -97,6 +109,13 @@ class Row:
         if self.needs_test_prior and (options or FrolicOptions()).test_prior != "em":
             return False
         return self.max_classes is None or num_classes <= self.max_classes
+
+    def in_logit_units(self, classifier: AffineMap, head: FrolicHead) -> AffineMap:
+        """The row's ``classifier`` divided by its :attr:`temperature` (softmax: probabilities)."""
+        if self.temperature is None:
+            return classifier
+        scale = 1.0 / float(getattr(head, self.temperature))
+        return AffineMap(classifier.weight * scale, classifier.bias * scale, classifier.center)
 
 
 def tde_logits(features: Tensor, prototypes: Tensor, mean: Tensor | None = None) -> Tensor:
@@ -127,6 +146,14 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
     return scaled.shift(ctx.offset(scaled, method=ctx.options.bias))
 
 
+def _gda(ctx: RowContext) -> AffineMap:
+    return ctx.head.gaussian.affine()
+
+
+def _tde(ctx: RowContext) -> AffineMap:
+    return _tde_map(ctx.head.prototypes, ctx.sums.mean)
+
+
 def _sum(ctx: RowContext) -> AffineMap:
     g, z = ctx.head.gaussian, ctx.head.prototypes.to(torch.float64)
     return AffineMap(z + g.weight, g.bias + z @ g.center, g.center)
@@ -152,13 +179,13 @@ def _zeros(ctx: RowContext) -> Tensor:
 
 
 _ROWS = (
-    Row("f_c", "zero-shot CLIP", "3", lambda ctx: ctx.head.zero_shot()),
+    Row("f_c", "zero-shot CLIP", "3", lambda ctx: ctx.head.zero_shot(), temperature="tau_c"),
     Row("f_c - ln beta", "zero-shot, debiased", "3", _debiased_zero_shot),
-    Row("f_g", "Gaussian head (GDA)", "3", lambda ctx: ctx.head.gaussian.affine()),
+    Row("f_g", "Gaussian head (GDA)", "3", _gda, temperature="tau_g"),
     Row("f_c + f_g", "sum, uncalibrated", "3", _sum),
     Row("f_f", "fused, tau_g matched", "3", lambda ctx: ctx.head.fused()),
     Row("f_d", "Frolic (fused, debiased)", "3", lambda ctx: ctx.head.affine()),
-    Row("tde", "TDE (Table 4)", "4", lambda ctx: _tde_map(ctx.head.prototypes, ctx.sums.mean)),
+    Row("tde", "TDE (Table 4)", "4", _tde, temperature="tau_c"),
     Row("implicit", "implicit bias (Table 4)", "4", _implicit),
     Row(
         "oracle",

@@ -54,6 +54,7 @@ def main() -> None:
         torch.save(
             {
                 "metrics": module.metrics_,
+                "class_accuracy": module.class_accuracy_,
                 "tau_g": module.head.tau_g,
                 "beta": module.head.beta,
                 "head": module.head.state_dict(),

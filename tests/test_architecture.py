@@ -15,7 +15,7 @@ import torch
 
 import frolic_tta
 from frolic_tta.logits import AffineMap
-from frolic_tta.metrics import metric_key, row_accuracies
+from frolic_tta.metrics import ROW_METRICS, metric_key, row_accuracies, row_metrics
 from frolic_tta.options import FrolicOptions
 from frolic_tta.rows import ROWS, available_rows
 from frolic_tta.synthetic import clip_world
@@ -57,6 +57,8 @@ def test_one_registry_of_rows_drives_results_metrics_and_reports():
     assert list(result.ablations()) == [key for key in ROWS if key != "oracle"]
     metrics = row_accuracies(num_classes=20)
     assert set(metrics.keys()) == {metric_key(key) for key in ROWS}
+    every = {metric_key(key, kind) for key in ROWS for kind in (*ROW_METRICS, "class_acc")}
+    assert set(row_metrics(num_classes=20).keys()) == every
     assert available_rows(5000, labelled=True) == [key for key in ROWS if key != "oracle"]
     uniform = FrolicOptions(test_prior="uniform")
     assert "f_d balanced" not in available_rows(20, labelled=True, options=uniform)

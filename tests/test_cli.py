@@ -136,6 +136,16 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
     assert "Frolic accuracy" not in stdout  # no second copy of the table
     for value in metrics["accuracy"].values():  # exact ratios, no float32 noise
         assert value == round(value * N) / N and metrics["num_evaluated"] == N
+    for kind in ("top5", "recall", "ece", "nll"):  # every row, beside top-1
+        assert set(metrics[kind]) == set(ROWS), kind
+    assert metrics["top5"]["f_d"] == 1.0  # K = 3
+    per_class = metrics["per_class"]
+    assert sum(per_class["support"]) == N and set(per_class["accuracy"]) == set(ROWS)
+    support = torch.tensor(per_class["support"], dtype=torch.float64)
+    recall = torch.tensor(per_class["accuracy"]["f_d"], dtype=torch.float64)
+    assert float((support * recall).sum()) / N == pytest.approx(metrics["accuracy"]["f_d"])
+    assert metrics["options"]["zero_shot"] == "text"
+    assert "top-5" in stdout and "ECE" in stdout
     # CSV: every index once, file paths, class names, targets
     assert [int(r["index"]) for r in rows] == list(range(N))
     assert all(Path(r["path"]).is_file() and r["path"].startswith(str(image_folder)) for r in rows)

@@ -41,10 +41,10 @@ precision plugin has converted the module, and finalize runs with autocast disab
 **Attributes after predict** (reset when the next predict starts): ``head``
 (:class:`~frolic_tta.FrolicHead`), ``priors_`` (:class:`~frolic_tta.prior.Priors`: the
 estimated test prior and the label biases, with their undetermined classes), ``metrics_``
-(accuracy of every Table 3/4 row when samples carry labels, plus ``tau_g``),
-``class_probability_`` (``"before"``/``"after"``: per-class mean predicted probability of
-:math:`f_f` and :math:`f_d`, the paper's Fig. 1c/d), ``samples_``
-(counts over all ranks), ``skipped_`` (this rank's), ``adapted_``, ``images_encoded``.
+(labels: :data:`~frolic_tta.metrics.ROW_METRICS` of every Table 3/4 row, ``tau_g``),
+``class_accuracy_`` (row -> ``(K,)``), ``class_probability_`` (``"before"``/``"after"``:
+per-class mean predicted probability of :math:`f_f` and :math:`f_d`, Fig. 1c/d),
+``samples_`` (counts, all ranks), ``skipped_`` (this rank's), ``adapted_``, ...
 
 **Re-use.** ``module(images)`` gives the adapted head's logits :math:`f_d`. With ``head_file`` (a
 run's ``head.pt`` or a checkpoint), or ``reuse_head=True`` after a predict, ``predict`` scores
@@ -79,7 +79,7 @@ from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.lightning import checkpoint as ckpt
 from frolic_tta.lightning import samples
-from frolic_tta.metrics import FrolicMoments, row_accuracies, update_row_accuracies
+from frolic_tta.metrics import FrolicMoments, evaluate_rows
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
 from frolic_tta.prior import Priors
@@ -106,7 +106,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             argument).
         options: the estimator's :class:`~frolic_tta.options.FrolicOptions` (covariance,
             shrinkage, label-bias method, tolerance); ``--model.options.<field>`` on the CLI.
-        ablations: with labels, also compute Table 3/4 rows' accuracy (extra passes).
+        ablations: with labels, score every Table 3/4 row (extra passes), else only f_d.
         return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
             any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
         reuse_head: score with the stored head instead of re-adapting (an error if there is
@@ -168,6 +168,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
     def _reset_run(self) -> None:
         self.priors_: Priors | None = None
         self.metrics_: dict[str, float] = {}
+        self.class_accuracy_: dict[str, Tensor] = {}
         self.class_probability_: dict[str, Tensor] = {}
         self.samples_: dict[str, Any] = {}
         self.skipped_: list[dict[str, Any]] = []
@@ -360,13 +361,13 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         probability = self._reduce(probability) / sums.count.cpu()
         self.class_probability_ = {"before": probability[0], "after": probability[1]}
         self.samples_ = {"dataset_length": self._dataset_length, "used": used, **counts}
-        if counts["labelled"] and hp.ablations:
+        if counts["labelled"]:
             if counts["labelled"] < used:
                 rank_zero_warn(
                     f"{used - counts['labelled']} of the {used} usable samples carry no label: "
                     f"accuracy is computed on the {counts['labelled']} that do"
                 )
-            self._evaluate(features, torch.cat(self._labels), sums, counts["labelled"])
+            self._evaluate(features, torch.cat(self._labels), fit.sums, counts["labelled"])
         self._features, self._labels = [], []
         self.adapted_ = True
 
@@ -378,11 +379,10 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         ctx = RowContext(
             self.head, sums, features, self.options, labels, self._reduce, hp.chunk_size
         )
-        rows = build_rows(ctx)
-        metrics = row_accuracies(len(self.class_names)).to(self.device)
-        update_row_accuracies(metrics, rows, features, labels.to(self.device), hp.chunk_size)
-        computed = metrics.compute()  # torchmetrics syncs over the process group
-        self.metrics_ = {key: samples.exact_ratio(float(v), total) for key, v in computed.items()}
+        rows = build_rows(ctx, None if hp.ablations else ["f_d"])
+        self.metrics_, self.class_accuracy_ = evaluate_rows(  # synced over the process group
+            rows, self.head, features, labels, num_labelled=total, chunk_size=hp.chunk_size
+        )
         self.metrics_.update(tau_g=self.head.tau_g, test_prior_weight=self.priors_.shift_weight)
         if self.trainer.logger is not None:
             self.trainer.logger.log_metrics(self.metrics_, step=0)

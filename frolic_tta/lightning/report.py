@@ -3,12 +3,14 @@ r"""FrolicReport: the files and the terminal table a person looks at after ``tra
 After the predict epoch, rank 0 joins the per-rank prediction files (written by the inherited
 :class:`~frolic_tta.lightning.writer.FrolicPredictionWriter`) and writes, in ``output_dir``:
 
-* ``metrics.json``: dataset, split, model, N, K, :math:`\tau_g`, the estimated test prior and
-  the label biases (:meth:`frolic_tta.prior.Priors.summary`: spreads and undetermined classes),
-  accuracy of every Table 3/4 row (labelled data only; exact ratios over ``num_evaluated``
-  samples), per-class :math:`\hat\beta` and mean predicted probability before/after
-  debiasing, the ``skipped`` samples (index, path, reason) and ``notes`` (a partial run, a
-  stored head, samples without labels).
+* ``metrics.json``: dataset, split, model, N, K, the estimator's ``options``, :math:`\tau_g`,
+  the estimated test prior and the label biases (:meth:`frolic_tta.prior.Priors.summary`:
+  spreads and undetermined classes); with labels, per Table 3/4 row: top-1 ``accuracy``
+  (exact ratios over ``num_evaluated`` samples), ``top5``, ``recall`` (mean per-class),
+  ``ece``, ``nll`` (:data:`frolic_tta.metrics.ROW_METRICS`); per class: the priors,
+  ``support`` (labelled samples), ``accuracy`` of every row (``null`` without support) and
+  mean predicted probability before/after debiasing; the ``skipped`` samples (index, path,
+  reason) and ``notes`` (a partial run, a stored head, samples without labels).
 * ``predictions.csv``: ``index, path, prediction, confidence[, target], skipped`` (class names;
   a skipped sample has an empty prediction and its reason under ``skipped``).
 * ``logits.pt``: the joined tensors (``index``, ``valid``, ``logits``, ``prediction``,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from frolic_tta.data.indexed import dataset_paths
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
-from frolic_tta.metrics import metric_key
+from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
 
@@ -202,10 +205,24 @@ class FrolicReport(FrolicPredictionWriter):
         evaluated = valid & (target >= 0)
         num_evaluated = int(evaluated.sum())
         metrics = dict(getattr(module, "metrics_", {}))
-        accuracy = {row: metrics[metric_key(row)] for row in ROWS if metric_key(row) in metrics}
-        if not accuracy and num_evaluated:  # ablations off or a stored head: f_d only
+        scores = {
+            kind: {
+                row: metrics[metric_key(row, kind)]
+                for row in ROWS
+                if metric_key(row, kind) in metrics
+            }
+            for kind in ROW_METRICS
+        }
+        accuracy = scores.pop("acc")
+        if not accuracy and num_evaluated:  # a stored head: f_d's top-1 only
             correct = int((joined["prediction"][evaluated] == target[evaluated]).sum())
             accuracy = {"f_d": correct / num_evaluated}
+        support = torch.bincount(target[evaluated].long(), minlength=len(names)).tolist()
+        per_class_accuracy = {
+            row: [_round(v) if n else None for v, n in zip(values.tolist(), support, strict=True)]
+            for row, values in getattr(module, "class_accuracy_", {}).items()
+        }
+        options = getattr(module, "options", None)
         skipped = [
             {"index": s["index"], "path": paths[s["index"]] if paths else None} | s
             for s in joined.get("skipped", [])
@@ -226,6 +243,8 @@ class FrolicReport(FrolicPredictionWriter):
             "labelled": num_evaluated > 0,
             "num_evaluated": num_evaluated,
             "accuracy": accuracy,
+            **scores,
+            "options": asdict(options) if is_dataclass(options) else None,
             "adapted": bool(getattr(module, "adapted_", True)),
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
@@ -235,6 +254,8 @@ class FrolicReport(FrolicPredictionWriter):
             "per_class": {
                 "class_names": names,
                 **summary["per_class"],
+                "support": support,
+                "accuracy": per_class_accuracy,
                 **{
                     f"probability_{key}": [_round(v) for v in value.double().cpu().tolist()]
                     for key, value in probability.items()
@@ -273,6 +294,8 @@ def _notes(
             f"partial run: the Trainer stopped after some batches (limit_predict_batches / "
             f"fast_dev_run); adapted on and predicted {n} of {length} samples"
         )
+    if getattr(getattr(module, "options", None), "zero_shot", "text") == "inmap":
+        notes.append("zero-shot classifier: InMaP's proxies (f_c is InMaP, f_d InMaP + Frolic)")
     if not getattr(module, "adapted_", True):
         notes.append("scored with a stored head (head_file / reuse_head): no adaptation")
     if skipped:
@@ -297,14 +320,21 @@ def format_table(summary: dict[str, Any]) -> str:
     accuracy = summary["accuracy"]
     if accuracy:
         width = max(len(row) for row in accuracy)
-        lines.append(f"  {'row':<{width}}  {'accuracy':>8}  description")
+        header = "  ".join(f"{name:>7}" for name in ("top-1", "top-5", "recall", "ECE", "NLL"))
+        lines.append(f"  {'row':<{width}}  {header}  description")
         for row, value in accuracy.items():
-            lines.append(f"  {row:<{width}}  {100 * value:>7.2f}%  {ROWS[row].label}")
+            cells = [f"{100 * value:.2f}%"]
+            for kind in ("top5", "recall", "ece", "nll"):
+                v = summary.get(kind, {}).get(row)
+                percent = kind in ("top5", "recall")
+                cells.append("-" if v is None else f"{100 * v:.2f}%" if percent else f"{v:.3f}")
+            text = "  ".join(f"{cell:>7}" for cell in cells)
+            lines.append(f"  {row:<{width}}  {text}  {ROWS[row].label}")
     else:
         lines.append("  no labels: accuracy not computed")
     lines.append(f"  tau_c = {summary['tau_c']:.4g}, tau_g = {summary['tau_g']:.4g}")
-    test = summary["test_prior"]
-    if test["estimated"]:
+    test = summary.get("test_prior", {})
+    if test.get("estimated"):
         balanced = "treated as balanced" if test["shift_weight"] == 0 else "imbalanced"
         lines.append(
             f"  test prior pi: {balanced} (weight {test['shift_weight']:.3g}, likelihood ratio "
@@ -314,8 +344,11 @@ def format_table(summary: dict[str, Any]) -> str:
         ("zero_shot_beta", "pre-training prior of the zero-shot model"),
         ("beta", "label bias removed from f_f"),
     ):
-        beta = summary[key]
-        undetermined = f", {beta['undetermined']} undetermined" if beta["undetermined"] else ""
+        beta = summary.get(key)
+        if beta is None:
+            continue
+        count = beta.get("undetermined")
+        undetermined = f", {count} undetermined" if count else ""
         lines.append(f"  {key}: max/min {beta['max_over_min']:.3g}{undetermined} ({what})")
     lines += [f"  note: {note}" for note in summary.get("notes", [])]
     return "\n".join(lines)

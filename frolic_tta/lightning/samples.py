@@ -54,13 +54,6 @@ def sample_validity(features: Tensor, errors: list[str] | None) -> tuple[Tensor,
     return torch.tensor([not r for r in reasons], dtype=torch.bool), reasons
 
 
-def exact_ratio(value: float, count: int) -> float:
-    """A float32 ratio ``correct / count`` as the exact float64 ratio (``count < 2**23``)."""
-    if count <= 0 or count >= 2**23:
-        return float(value)
-    return round(float(value) * count) / count
-
-
 class SkippedSamples:
     """This rank's skipped samples and the early stop (see the module docstring).
 
