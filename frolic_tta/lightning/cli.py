@@ -10,7 +10,8 @@
 * adds ``--output_dir`` (also the Trainer's ``default_root_dir``, where ``config.yaml`` is saved
   and overwritten on a re-run) and always registers :class:`~frolic_tta.report.FrolicReport`
   there (options under ``--report.*``);
-* turns missing data or weights into one error line and a non-zero exit (:func:`main`).
+* turns missing data or weights, and a feature store that does not fit the run, into one error
+  line and a non-zero exit (:func:`main`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing_extensions import override
 
 from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
+from frolic_tta.data.store import FeatureStoreError
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
@@ -153,10 +155,16 @@ def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
     A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
-    is printed as ``error: ...`` on stderr and exits with status 2, without a traceback.
+    or a :class:`~frolic_tta.data.store.FeatureStoreError` (a feature store of other features,
+    or a broken one) is printed as ``error: ...`` on stderr and exits with status 2, without a
+    traceback.
     """
     try:
         FrolicCLI(args=args)
-    except FrolicCLIError as error:
+    except (FrolicCLIError, FeatureStoreError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # python -m frolic_tta.lightning.cli predict ... (as train.py)
+    main()

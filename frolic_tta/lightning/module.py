@@ -158,13 +158,14 @@ class FrolicModule(L.LightningModule):
         return features / features.norm(dim=1, keepdim=True)
 
     @staticmethod
-    def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
-        if not isinstance(batch, dict) or "image" not in batch or "index" not in batch:
+    def _unpack(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None]:
+        has_input = isinstance(batch, dict) and ("image" in batch or "features" in batch)
+        if not has_input or "index" not in batch:
             raise ValueError(
                 "Expected each batch to be a dict with 'image' and 'index' (and optionally "
                 f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
             )
-        return batch["image"], batch["index"], batch.get("label")
+        return batch.get("image"), batch["index"], batch.get("label")
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -193,7 +194,9 @@ class FrolicModule(L.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         images, index, labels = self._unpack(batch)
-        features = self.encode_images(images)
+        # stored features (frolic_tta.data.store) skip the encoder; callbacks may read them
+        features = batch["features"].float() if images is None else self.encode_images(images)
+        self.batch_features = features
         output: dict[str, Tensor] = {"index": index.detach().cpu()}
         if labels is not None:
             output["target"] = labels.detach().cpu()
