@@ -12,9 +12,9 @@ The key (:func:`feature_key`) names everything that decides the features: the mo
 and a hash of its config file when it is a path), the weights (the open_clip tag, or a SHA-256
 of the checkpoint file or ``local-dir:`` folder), the image preprocessing, the dataset, its
 split, ``limit``, N and a hash of the per-index file paths (relative to their common folder, so
-a moved dataset still matches). A store is read only when its key equals the run's; anything
-else (another key, a shard missing, changed or unreadable, an index missing or twice) raises
-:class:`FeatureStoreError` with one sentence, and nothing is reused.
+a moved dataset still matches) and file sizes. A store is read only when its key equals the
+run's; anything else (another key, a shard missing, changed or unreadable, an index missing or
+twice) raises :class:`FeatureStoreError` with one sentence, and nothing is reused.
 
 Shapes: N samples, d embedding dim.
 """
@@ -125,7 +125,11 @@ def preprocess_signature(transform: Any) -> str:
 
 
 def samples_fingerprint(paths: Sequence[str] | None) -> str | None:
-    """SHA-256 of the per-index file paths relative to their common folder (``None``: unknown)."""
+    """SHA-256 of the per-index file paths, relative to their common folder, and file sizes.
+
+    A moved dataset keeps its fingerprint; another folder with the same file names almost
+    surely does not (its files differ in size). ``None`` when the paths are unknown.
+    """
     if not paths:
         return None
     base = os.path.commonpath([os.path.abspath(p) for p in paths])
@@ -133,7 +137,11 @@ def samples_fingerprint(paths: Sequence[str] | None) -> str | None:
         base = os.path.dirname(base)
     digest = hashlib.sha256()
     for path in paths:
-        digest.update(os.path.relpath(os.path.abspath(path), base).encode() + b"\n")
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1
+        digest.update(f"{os.path.relpath(os.path.abspath(path), base)}\t{size}\n".encode())
     return digest.hexdigest()
 
 
@@ -313,7 +321,8 @@ def load_store(
         )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        n, shards = int(manifest["num_samples"]), list(manifest["shards"])
+        n = int(manifest["num_samples"])
+        shards = [(str(e["file"]), int(e["bytes"]), str(e["sha256"])) for e in manifest["shards"]]
     except (ValueError, KeyError, TypeError) as error:
         raise FeatureStoreError(
             f"Expected a readable {MANIFEST} in the feature store '{folder}', but got "
@@ -322,16 +331,15 @@ def load_store(
     if key is not None:
         check_key(manifest.get("key", {}), key, folder)
     features, labels, seen = None, None, torch.zeros(n, dtype=torch.bool)
-    for entry in shards:
-        path = folder / entry["file"]
-        if verify and path.is_file():
-            size, sha = path.stat().st_size, file_sha256(path)
-            if size != entry["bytes"] or sha != entry["sha256"]:
-                raise FeatureStoreError(
-                    f"Expected shard '{path.name}' in the feature store '{folder}' to be the one "
-                    f"its {MANIFEST} lists, but its size or SHA-256 differs: delete the store "
-                    "and encode again"
-                )
+    for name, size, sha in shards:
+        path = folder / name
+        checked = verify and path.is_file()
+        if checked and (path.stat().st_size != size or file_sha256(path) != sha):
+            raise FeatureStoreError(
+                f"Expected shard '{path.name}' in the feature store '{folder}' to be the one "
+                f"its {MANIFEST} lists, but its size or SHA-256 differs: delete the store "
+                "and encode again"
+            )
         part = _load_shard(path, folder)
         index = part["index"]
         if features is None:
