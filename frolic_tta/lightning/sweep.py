@@ -65,7 +65,16 @@ class SweepError(ValueError):
 
 @dataclass(frozen=True)
 class Run:
-    """One run of a sweep: its names, its ``train.py`` arguments and its folders."""
+    """One run of a sweep.
+
+    Attributes:
+        model, dataset, prompts, options: its names in the sweep config.
+        args: its ``train.py`` arguments (``predict`` first).
+        run_dir: its ``--output_dir``; ``store``: the feature store of its (model, dataset).
+        encodes: the first run of its (model, dataset): it encodes and writes the store.
+        backbone: the paper's backbone (``"ViT-B/16"``) or ``None``.
+        details: the option values and ``--model.*`` arguments, for the tables' headings.
+    """
 
     model: str
     dataset: str
@@ -175,7 +184,7 @@ def cli_args(tree: dict[str, Any], prefix: str = "") -> list[str]:
             continue
         if key == "init_args" and isinstance(value, dict):
             args += cli_args(value, prefix)
-        elif isinstance(value, dict) and value:
+        elif isinstance(value, dict):  # an empty one sets nothing
             args += cli_args(value, f"{prefix}{key}.")
         else:
             args.append(f"--{prefix}{key}={_text(value)}")
