@@ -321,7 +321,11 @@ def store_section(p: dict[str, Any] | None) -> str:
         markdown_table(headers, rows),
         "",
         f"Goal refit ≤ {goal:g} s on 2 cores plus the load: {verdict(worst <= goal)} "
-        f"({fmt(worst)} s; images encoded in the refit: {first['images_encoded']}).",
+        f"({fmt(worst)} s; images encoded in the refit: {first['images_encoded']}). The refit "
+        f"is the float64 moment updates over the stored features (in the loop, "
+        f"{fmt(first['loop_s'])} s with the batches) and finalize ({fmt(first['finalize_s'])} s); "
+        "the moments N, Σx, Σxxᵀ do not depend on the prompts and could be stored with the "
+        "features, leaving the zero-shot soft sums (one pass of x zᵀ) to recompute.",
     ]
     if half is not None:
         lines[-1] += (
