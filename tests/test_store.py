@@ -14,6 +14,7 @@ import torch
 from frolic_tta.data import ImageFolderDataModule
 from frolic_tta.data.store import (
     MANIFEST,
+    FeatureDataset,
     FeatureStoreError,
     check_key,
     load_store,
@@ -204,3 +205,26 @@ def test_missing_changed_or_incomplete_shards_are_refused(tmp_path):
         load_store(tmp_path, KEY)
     with pytest.raises(FeatureStoreError, match=r"but there is no manifest.json: run once"):
         load_store(tmp_path / "nothing", KEY)
+
+
+def test_unreadable_samples_and_partial_runs(tmp_path):
+    features = torch.nn.functional.normalize(torch.randn(4, 3), dim=1)
+    reasons = ["", "unreadable image: OSError: truncated", "", ""]
+    write_shard(tmp_path, 0, torch.arange(4), features, torch.tensor([0, -1, 1, 0]), reasons)
+    key = {**KEY, "num_samples": 4}
+    write_manifest(tmp_path, key, world_size=1)
+    stored = load_store(tmp_path, key)
+    assert stored.errors == reasons  # a refit skips the same samples as the run that encoded
+    item = FeatureDataset(stored.features, stored.labels, stored.errors)[1]
+    assert item["error"] == reasons[1] and item["label"] == -1
+    with pytest.raises(FeatureStoreError) as info:  # e.g. limit_predict_batches
+        write_manifest(tmp_path, {**KEY, "num_samples": 9}, world_size=1)
+    assert str(info.value) == (
+        f"Expected the shards in '{tmp_path}' to hold all 9 samples, but they hold 4 (a run "
+        "over part of the data writes no feature store)"
+    )
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["num_samples"] = 3  # a manifest that contradicts its own key
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FeatureStoreError, match=r"Expected 4 samples in .*, but its manifest.json"):
+        load_store(tmp_path, key)

@@ -164,7 +164,7 @@ class _IndexedDataModule(L.LightningDataModule):
         mode = self.feature_store_mode
         if mode == "read" or (mode == "auto" and has_manifest(folder)):
             stored = load_store(folder, key)
-            self.dataset = FeatureDataset(stored.features, stored.labels)  # type: ignore[assignment]
+            self.dataset = FeatureDataset(stored.features, stored.labels, stored.errors)  # type: ignore[assignment]
             self.feature_source = stored.describe(folder)
             return
         from frolic_tta.lightning.store import FeatureStoreWriter  # lightning/ imports data/

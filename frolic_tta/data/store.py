@@ -201,13 +201,17 @@ def write_shard(
     index: Tensor,
     features: Tensor,
     labels: Tensor | None = None,
+    errors: Sequence[str] | None = None,
 ) -> Path:
-    """Save one rank's ``index`` ``(n,)``, ``features`` ``(n, d)`` and ``labels`` ``(n,)``."""
+    """Save one rank's ``index`` ``(n,)``, ``features`` ``(n, d)``, ``labels`` ``(n,)`` and,
+    when any sample has one, the reason per sample it could not be read (``""``: read)."""
     path = Path(directory) / shard_name(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    shard = {"index": index.long().cpu(), "features": features.cpu()}
+    shard: dict[str, Any] = {"index": index.long().cpu(), "features": features.cpu()}
     if labels is not None:
         shard["label"] = labels.long().cpu()
+    if errors is not None and any(errors):
+        shard["error"] = [str(e) for e in errors]
     torch.save(shard, path)
     return path
 
@@ -221,20 +225,33 @@ def write_manifest(
     """Check the ``world_size`` shards, then write ``manifest.json`` (atomically, last).
 
     Raises:
-        FeatureStoreError: a shard is missing or unreadable, or shards disagree.
+        FeatureStoreError: a shard is missing or unreadable, shards differ in d, or they hold
+            another number of samples than the key's ``num_samples`` (a run that saw part of
+            the data, e.g. with ``limit_predict_batches``, writes no store).
     """
     folder = Path(directory)
-    shards, total, dim, dtype, labelled = [], 0, None, None, None
+    shards, total, dim, dtype, labelled = [], 0, None, None, False
     for rank in range(world_size):
         path = folder / shard_name(rank)
         part = _load_shard(path, folder)
         n, d = part["features"].shape
+        if dim is not None and d != dim:
+            raise FeatureStoreError(
+                f"Expected every shard in '{folder}' to hold {dim}-dim features, but "
+                f"'{path.name}' holds {d}-dim ones"
+            )
         shards.append(
             {"file": path.name, "num_samples": n, "bytes": path.stat().st_size,
              "sha256": file_sha256(path)}
         )  # fmt: skip
         total += n
-        dim, dtype, labelled = dim or d, dtype or part["features"].dtype, "label" in part
+        dim, dtype, labelled = d, dtype or part["features"].dtype, labelled or "label" in part
+    expected = key.get("num_samples")
+    if expected is not None and total != expected:
+        raise FeatureStoreError(
+            f"Expected the shards in '{folder}' to hold all {expected} samples, but they hold "
+            f"{total} (a run over part of the data writes no feature store)"
+        )
     names = {v: k for k, v in DTYPES.items()}
     manifest = {
         "format": FORMAT,
@@ -280,11 +297,13 @@ def _load_shard(path: Path, folder: Path) -> dict[str, Tensor]:
 @dataclass(frozen=True)
 class StoredFeatures:
     """A loaded store: ``features`` ``(N, d)`` float32 in global index order, ``labels``
-    ``(N,)`` or ``None``, and the ``manifest``."""
+    ``(N,)`` or ``None``, the ``manifest``, and ``errors`` (per sample, why its image could not
+    be read, ``""`` if it was; ``None`` when every image was read)."""
 
     features: Tensor
     labels: Tensor | None
     manifest: dict[str, Any]
+    errors: list[str] | None = None
 
     def describe(self, directory: str | os.PathLike[str]) -> str:
         """One line for reports: where the features come from."""
@@ -330,7 +349,13 @@ def load_store(
         ) from None
     if key is not None:
         check_key(manifest.get("key", {}), key, folder)
+        if key.get("num_samples", n) != n:
+            raise FeatureStoreError(
+                f"Expected {key['num_samples']} samples in the feature store '{folder}', but "
+                f"its {MANIFEST} says {n}: delete the store and encode again"
+            )
     features, labels, seen = None, None, torch.zeros(n, dtype=torch.bool)
+    errors: list[str] | None = None
     for name, size, sha in shards:
         path = folder / name
         checked = verify and path.is_file()
@@ -356,6 +381,10 @@ def load_store(
         features[index] = part["features"].float()
         if labels is not None and "label" in part:
             labels[index] = part["label"]
+        if "error" in part:
+            errors = errors or [""] * n
+            for i, reason in zip(index.tolist(), part["error"], strict=True):
+                errors[i] = reason
     if features is None or not bool(seen.all()):
         count = int(seen.sum())
         raise FeatureStoreError(
@@ -364,21 +393,24 @@ def load_store(
         )
     if manifest.get("dtype") != "float32":  # rounded: back on the unit sphere
         features = features / features.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return StoredFeatures(features, labels, manifest)
+    return StoredFeatures(features, labels, manifest, errors)
 
 
 class FeatureDataset(Dataset):
-    """Stored features as FrolicModule batches: ``{"features", "index"[, "label"]}`` items.
+    """Stored features as FrolicModule batches: ``{"features", "index"[, "label", "error"]}``.
 
     ``FrolicModule.predict_step`` uses ``features`` instead of running the image encoder.
 
     Args:
         features: ``(N, d)`` features in global index order.
         labels: ``(N,)`` labels or ``None``.
+        errors: ``N`` reasons a sample's image could not be read (``""``: read), or ``None``.
     """
 
-    def __init__(self, features: Tensor, labels: Tensor | None = None) -> None:
-        self.features, self.labels = features, labels
+    def __init__(
+        self, features: Tensor, labels: Tensor | None = None, errors: list[str] | None = None
+    ) -> None:
+        self.features, self.labels, self.errors = features, labels, errors
 
     def __len__(self) -> int:
         return self.features.shape[0]
@@ -387,4 +419,6 @@ class FeatureDataset(Dataset):
         item: dict[str, Any] = {"features": self.features[index], "index": int(index)}
         if self.labels is not None:
             item["label"] = int(self.labels[index])
+        if self.errors is not None:
+            item["error"] = self.errors[index]
         return item

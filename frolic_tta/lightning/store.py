@@ -17,10 +17,17 @@ import lightning as L
 import open_clip
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.data.store import DTYPES, MANIFEST, write_manifest, write_shard
+from frolic_tta.data.store import (
+    DTYPES,
+    MANIFEST,
+    FeatureStoreError,
+    write_manifest,
+    write_shard,
+)
 
 
 class FeatureStoreWriter(Callback):
@@ -38,7 +45,7 @@ class FeatureStoreWriter(Callback):
         self.directory = Path(directory)
         self.key = key
         self.dtype = dtype
-        self._parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        self._parts: list[tuple[Tensor, Tensor, Tensor | None, list[str]]] = []
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -66,26 +73,34 @@ class FeatureStoreWriter(Callback):
                 "Expected the LightningModule to set `batch_features` in predict_step (as "
                 f"FrolicModule does), but {type(pl_module).__name__} has none"
             )
-        labels = batch.get("label")
+        index, labels = torch.as_tensor(batch["index"]).cpu(), batch.get("label")
+        errors = batch.get("error")  # why an image could not be read ("": it was)
         self._parts.append(
             (
-                torch.as_tensor(batch["index"]).cpu(),
+                index,
                 features.detach().to("cpu", DTYPES[self.dtype]),
                 None if labels is None else torch.as_tensor(labels).cpu(),
+                [""] * len(index) if errors is None else [str(e) for e in errors],
             )
         )
 
     @override
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        index = torch.cat([p[0] for p in self._parts]) if self._parts else torch.zeros(0).long()
-        features = torch.cat([p[1] for p in self._parts]) if self._parts else None
-        if features is None:
-            dim = int(getattr(pl_module, "batch_features", torch.zeros(0, 0)).shape[-1])
-            features = torch.zeros(0, dim, dtype=DTYPES[self.dtype])
-        labelled = bool(self._parts) and self._parts[0][2] is not None
-        labels = torch.cat([p[2] for p in self._parts]) if labelled else None  # type: ignore[misc]
-        write_shard(self.directory, trainer.global_rank, index, features, labels)
-        self._parts = []
+        parts, self._parts = self._parts, []
+        dim = int(getattr(pl_module, "batch_features", torch.zeros(0, 0)).shape[-1])
+        index = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        features = (
+            torch.cat([p[1] for p in parts])
+            if parts
+            else torch.zeros(0, dim).to(DTYPES[self.dtype])
+        )
+        labels = None
+        if any(p[2] is not None for p in parts):  # -1 where a batch had no labels
+            labels = torch.cat(
+                [p[2] if p[2] is not None else torch.full_like(p[0], -1) for p in parts]
+            )
+        errors = [reason for p in parts for reason in p[3]]
+        write_shard(self.directory, trainer.global_rank, index, features, labels, errors)
         trainer.strategy.barrier()  # every shard is on disk
         if trainer.is_global_zero:
             written_by = {
@@ -93,5 +108,10 @@ class FeatureStoreWriter(Callback):
                 "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", ""),
                 "open_clip": open_clip.__version__,
             }
-            write_manifest(self.directory, self.key, trainer.world_size, written_by)
+            try:
+                write_manifest(self.directory, self.key, trainer.world_size, written_by)
+            except FeatureStoreError as error:  # e.g. limit_predict_batches: part of the data
+                rank_zero_warn(f"No feature store written: {error}")
+                for shard in self.directory.glob("features_rank*.pt"):
+                    shard.unlink()
         trainer.strategy.barrier()
