@@ -43,6 +43,7 @@ Shapes: N samples, K classes, d embedding dim.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -225,6 +226,32 @@ def shared_covariance(
     return shrink(sigma, rho), means, weights, rho
 
 
+def ridge_factor(covariance: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``(covariance + \lambda I, its Cholesky factor)`` with the smallest
+    :math:`\lambda = 10^{-10+m}\max(\operatorname{tr}\Sigma/d, 10^{-12})`, m = 0, 1, ..., that
+    makes the factorisation succeed; warns once with :math:`\lambda`."""
+    d = covariance.shape[0]
+    scale = max(float(torch.diagonal(covariance).sum()) / d, 1e-12)
+    for power in range(-10, 13):
+        ridge = scale * 10.0**power
+        shifted = covariance + ridge * torch.eye(
+            d, dtype=covariance.dtype, device=covariance.device
+        )
+        factor, info = torch.linalg.cholesky_ex(shifted)
+        if int(info) == 0:
+            warnings.warn(
+                "the within-class scatter is numerically singular even after shrinkage "
+                f"(identical or degenerate features?); added {ridge:.3g} I to make it positive "
+                "definite",
+                UserWarning,
+                stacklevel=3,
+            )
+            return shifted, factor
+    raise ValueError(  # only non-finite entries get here; inputs are checked for those
+        "Expected a finite within-class covariance, but no ridge makes it positive definite"
+    )
+
+
 def fit_gaussian_head(
     sums: MomentSums,
     prototypes: Tensor,
@@ -233,20 +260,28 @@ def fit_gaussian_head(
 ) -> GaussianHead:
     r"""Fit the GDA head :math:`f_g(x)_j = w_j^\top x + b_j` (Eq. 9) from reduced sums.
 
+    With ``"soft"`` and any shrinkage, a scatter that is still not numerically positive
+    definite (identical features, features on the prototypes, K >> N with hard posteriors) gets
+    the smallest ridge :math:`\lambda I` that makes it so (:func:`ridge_factor`), with a
+    ``UserWarning``; with ``shrinkage=None`` it is an error.
+
     Raises:
         ValueError: if the covariance is singular (``"paper"``) or not positive definite
-            (``"soft"`` without shrinkage and with fewer samples than dimensions).
+            (``"soft"`` with ``shrinkage=None``).
     """
     sigma, means, weights, rho = shared_covariance(sums, prototypes, covariance, shrinkage)
     center = sums.feature_sum / sums.count
     centred = (means - center[None, :]).t()
     if covariance == "soft":
         factor, info = torch.linalg.cholesky_ex(sigma)
-        if int(info) != 0:
+        if int(info) != 0 and shrinkage is None:
             raise ValueError(
                 "Expected the soft within-class covariance to be positive definite, but its "
-                f"Cholesky factorisation failed at column {int(info)}; use shrinkage='auto'"
+                f"Cholesky factorisation failed at column {int(info)} (fewer samples than "
+                "dimensions, or identical features); use shrinkage='auto' or a float in [0, 1]"
             )
+        if int(info) != 0:
+            sigma, factor = ridge_factor(sigma)
         weight = torch.cholesky_solve(centred, factor).t()
     else:
         solved, info = torch.linalg.solve_ex(sigma, centred)

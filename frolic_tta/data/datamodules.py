@@ -4,12 +4,22 @@ Class names are computed in ``__init__`` (so the CLI can link ``data.class_names
 ``model.class_names``); the image transform is resolved in :meth:`setup`: the ``preprocess``
 argument if given, else the attached LightningModule's ``.preprocess`` (open_clip's eval
 transform on ``FrolicModule``).
+
+**Feature store** (``feature_store=DIR``, :mod:`frolic_tta.data.store`): :meth:`setup` computes
+the key of the features this run would encode (the module's model and weights, the transform,
+the dataset, split, ``limit`` and file list). If ``DIR`` holds a store with that key, batches
+are ``{"features", "index"[, "label"]}`` read from it (no image is decoded, the encoder does not
+run); if it holds none, the images are encoded as usual and a
+:class:`~frolic_tta.lightning.store.FeatureStoreWriter`, registered with the Trainer here,
+writes the store. A store with another key, or a broken one, raises
+:class:`~frolic_tta.data.store.FeatureStoreError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -26,9 +36,16 @@ from frolic_tta.data.indexed import (
     dataset_paths,
 )
 from frolic_tta.data.splits import load_dataset
+from frolic_tta.data.store import DTYPES, FeatureDataset, feature_key, has_manifest, load_store
 from frolic_tta.errors import FrolicInputError
 
-__all__ = ["FrolicDataModule", "ImageFolderDataModule", "default_num_workers"]
+__all__ = ["STORE_MODES", "FrolicDataModule", "ImageFolderDataModule", "default_num_workers"]
+
+STORE_MODES = ("auto", "read", "write")
+"""``auto``: read the store if there is one, else encode and write it; ``read``: the store must
+exist; ``write``: encode and replace it."""
+StoreDtype = Literal["float32", "float16"]
+StoreMode = Literal["auto", "read", "write"]
 
 MAX_DEFAULT_WORKERS = 8
 
@@ -54,8 +71,28 @@ class _IndexedDataModule(L.LightningDataModule):
         num_workers: int | None,
         limit: int | None,
         preprocess: Callable[[Any], Any] | None,
+        feature_store: str | None = None,
+        feature_store_dtype: str = "float32",
+        feature_store_mode: str = "auto",
     ) -> None:
         super().__init__()
+        if feature_store_dtype not in DTYPES:
+            raise ValueError(
+                f"Expected `feature_store_dtype` to be one of {list(DTYPES)}, but got "
+                f"{feature_store_dtype!r}"
+            )
+        if feature_store_mode not in STORE_MODES:
+            raise ValueError(
+                f"Expected `feature_store_mode` to be one of {list(STORE_MODES)}, but got "
+                f"{feature_store_mode!r}"
+            )
+        self.feature_store = feature_store
+        self.feature_store_dtype = feature_store_dtype
+        self.feature_store_mode = feature_store_mode
+        #: Where the features come from, in words (``metrics.json``'s ``"features"``).
+        self.feature_source = "encoded"
+        self._limit = limit
+        self._store_writer: L.Callback | None = None
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -105,11 +142,53 @@ class _IndexedDataModule(L.LightningDataModule):
         return transform
 
     def setup(self, stage: str | None = None) -> None:
-        """Wrap the source dataset with the resolved image transform."""
-        self.dataset = IndexedDataset(self.source, self._resolve_transform())
+        """Wrap the source dataset with the resolved image transform, or read the feature store.
+
+        Raises:
+            FeatureStoreError: ``feature_store`` holds a store of other features or a broken
+                one, or (``feature_store_mode="read"``) none.
+        """
+        transform = self._resolve_transform()
+        self.dataset = IndexedDataset(self.source, transform)
+        if self.feature_store is not None:
+            self._setup_store(transform)
+
+    def _setup_store(self, transform: Callable[[Any], Any]) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and self._store_writer in trainer.callbacks:
+            trainer.callbacks.remove(self._store_writer)  # a writer of an earlier setup
+        module = getattr(trainer, "lightning_module", None)
+        hparams = getattr(module, "hparams", {})
+        if "model_name" not in hparams:
+            raise ValueError(
+                "Expected a Trainer with a FrolicModule (`model_name`, `pretrained` hparams) "
+                f"for `feature_store`, but got {type(module).__name__}"
+            )
+        key = feature_key(
+            hparams["model_name"],
+            hparams.get("pretrained"),
+            transform,
+            getattr(self, "dataset_name", "custom"),
+            getattr(self, "split_source", None),
+            self._limit,
+            len(self.source),  # type: ignore[arg-type]
+            self.paths,
+        )
+        folder = Path(self.feature_store)  # type: ignore[arg-type]
+        mode = self.feature_store_mode
+        if mode == "read" or (mode == "auto" and has_manifest(folder)):
+            stored = load_store(folder, key)
+            self.dataset = FeatureDataset(stored.features, stored.labels, stored.errors)  # type: ignore[assignment]
+            self.feature_source = stored.describe(folder)
+            return
+        from frolic_tta.lightning.store import FeatureStoreWriter  # lightning/ imports data/
+
+        self._store_writer = FeatureStoreWriter(str(folder), key, self.feature_store_dtype)
+        trainer.callbacks.append(self._store_writer)  # type: ignore[union-attr]
+        self.feature_source = f"encoded, stored in {folder} ({self.feature_store_dtype})"
 
     def predict_dataloader(self) -> DataLoader:
-        """Deterministic (unshuffled) loader over the whole source.
+        """Deterministic (unshuffled) loader over the whole source (or its stored features).
 
         Raises:
             FrolicInputError: fewer samples than processes (Lightning's predict sampler needs at
@@ -123,11 +202,12 @@ class _IndexedDataModule(L.LightningDataModule):
         workers = self.num_workers
         if workers is None:
             workers = default_num_workers(int(getattr(trainer, "num_devices", 1) or 1))
+        stored = isinstance(self.dataset, FeatureDataset)
         return DataLoader(
             self.dataset,  # type: ignore[arg-type]
             batch_size=self.batch_size,
             shuffle=False,
-            num_workers=workers,
+            num_workers=0 if stored else workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
         )
@@ -207,6 +287,11 @@ class FrolicDataModule(_IndexedDataModule):
         limit: Keep only this many samples (a seeded random subset, in order).
         preprocess: Image transform; default: the LightningModule's ``.preprocess``.
         class_names: Override (or, for ``unlabeled``, supply) the class names.
+        feature_store: Folder of a feature store: read it when it holds this run's features,
+            else encode and write it (see the module docstring).
+        feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
+        feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
+            (encode and replace it).
     """
 
     def __init__(
@@ -222,6 +307,9 @@ class FrolicDataModule(_IndexedDataModule):
         limit: int | None = None,
         preprocess: Callable[[Any], Any] | None = None,
         class_names: list[str] | None = None,
+        feature_store: str | None = None,
+        feature_store_dtype: StoreDtype = "float32",
+        feature_store_mode: StoreMode = "auto",
     ) -> None:
         key = str(dataset).strip().lower()
         if key in ("folder", "unlabeled"):
@@ -233,7 +321,8 @@ class FrolicDataModule(_IndexedDataModule):
             source, split_source = loaded.dataset, loaded.split_source
             names = override_class_names(class_names, loaded.class_names, f"dataset {key!r}")
         labeled = key != "unlabeled"
-        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
+        store = (feature_store, feature_store_dtype, feature_store_mode)
+        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = key
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
         self.split_source = split_source
@@ -252,6 +341,11 @@ class ImageFolderDataModule(_IndexedDataModule):
         limit: Keep only this many samples (a seeded random subset, in order).
         preprocess: Image transform; default: the LightningModule's ``.preprocess``.
         class_names: Override (or, when unlabelled, supply) the class names.
+        feature_store: Folder of a feature store: read it when it holds this run's features,
+            else encode and write it (see the module docstring).
+        feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
+        feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
+            (encode and replace it).
     """
 
     def __init__(
@@ -263,9 +357,13 @@ class ImageFolderDataModule(_IndexedDataModule):
         limit: int | None = None,
         preprocess: Callable[[Any], Any] | None = None,
         class_names: list[str] | None = None,
+        feature_store: str | None = None,
+        feature_store_dtype: StoreDtype = "float32",
+        feature_store_mode: StoreMode = "auto",
     ) -> None:
         source, names = _folder_source(root, labeled, class_names)
-        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess)
+        store = (feature_store, feature_store_dtype, feature_store_mode)
+        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = "folder" if labeled else "unlabeled"
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
         self.split_source = "all images"

@@ -13,7 +13,8 @@
   there (options under ``--report.*``);
 * checks what is cheap to check (options, templates, prompts file, head file, ``ckpt_path``,
   ``limit_predict_batches``, samples per process) before data, weights or DDP processes;
-* turns user errors into one error line and exit status 2 (:func:`main`).
+* turns user errors (and a feature store that does not fit the run) into one error line and
+  exit status 2 (:func:`main`).
 """
 
 from __future__ import annotations
@@ -219,8 +220,8 @@ def main(args: ArgsType = None) -> None:
 
     A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
     or a :class:`~frolic_tta.errors.FrolicInputError` raised during predict (too many unreadable
-    images, a stored head that does not fit) is printed as ``error: ...`` on stderr (by rank 0)
-    and exits with status 2, without a traceback.
+    images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
+    stderr (by rank 0) and exits with status 2, without a traceback.
     """
     try:
         FrolicCLI(args=args)
@@ -228,3 +229,7 @@ def main(args: ArgsType = None) -> None:
         if rank_zero_only.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # python -m frolic_tta.lightning.cli predict ... (as train.py)
+    main()

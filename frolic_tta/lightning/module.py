@@ -9,17 +9,12 @@ r"""FrolicModule: Frolic on a frozen open_clip model inside ``trainer.predict``.
    No collective is called per batch.
 2. *Finalize* (``on_predict_batch_end`` of this rank's last batch, known in advance from the
    public ``trainer.num_predict_batches``): the moment sums are all-reduced (torchmetrics
-   sync), the GDA head, :math:`\\tau_g` and :math:`\\beta` are fitted with
+   sync), the head, the test prior, :math:`\tau_g` and :math:`\beta` are fitted with
    :func:`frolic_tta.fit_frolic`, whose every dataset-wide sum goes through
    ``trainer.strategy.reduce(..., reduce_op="sum")``, and the cached features are scored
-   (no second encoder pass). The placeholders are filled **in place**.
-
-Lightning keeps CPU tensors returned by ``predict_step`` by reference, so the filled values are
-what ``trainer.predict`` returns and what an *epoch*-interval
-:class:`~lightning.pytorch.callbacks.BasePredictionWriter` writes (callbacks'
-``on_predict_epoch_end`` runs after the last batch, hence after finalize). A *batch*-interval
-writer would see placeholders (NaN logits, prediction -1), because no prediction is final before
-the rank's last batch: use ``write_interval="epoch"``.
+   (no second encoder pass). The placeholders are filled **in place**: Lightning keeps them by
+   reference, so ``trainer.predict`` returns, and an *epoch*-interval prediction writer writes,
+   the final values (a *batch*-interval writer would see placeholders).
 
 **Bad samples and labels.** An unreadable file or non-finite features skip that sample only
 (policy in :mod:`frolic_tta.lightning.samples`); samples without a label (-1, or a batch without
@@ -222,13 +217,14 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         return self.head.score(self.encode_images(images))
 
     @staticmethod
-    def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None, list[str] | None]:
-        if not isinstance(batch, dict) or "image" not in batch or "index" not in batch:
+    def _unpack(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None, list[str] | None]:
+        has_input = isinstance(batch, dict) and ("image" in batch or "features" in batch)
+        if not has_input or "index" not in batch:
             raise ValueError(
                 "Expected each batch to be a dict with 'image' and 'index' (and optionally "
                 f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
             )
-        return batch["image"], batch["index"], batch.get("label"), batch.get("error")
+        return batch.get("image"), batch["index"], batch.get("label"), batch.get("error")
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -270,7 +266,9 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         images, index, labels, errors = self._unpack(batch)
-        features = self.encode_images(images)
+        # stored features (frolic_tta.data.store) skip the encoder; callbacks may read them
+        features = batch["features"].float() if images is None else self.encode_images(images)
+        self.batch_features = features
         valid, reasons = samples.sample_validity(features, errors)
         self._skipped.add(index.detach().cpu(), reasons)
         output: dict[str, Tensor] = {"index": index.detach().cpu(), "valid": valid}

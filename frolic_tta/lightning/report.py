@@ -94,6 +94,8 @@ class FrolicReport(FrolicPredictionWriter):
         #: The summary written to ``metrics.json`` (rank 0, after predict).
         self.summary: dict[str, Any] = {}
         self._table_due = False
+        #: Images encoded over all ranks in the last predict (0 when read from a feature store).
+        self.images_encoded: int | None = None
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -105,6 +107,9 @@ class FrolicReport(FrolicPredictionWriter):
 
     @override
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        encoded = torch.tensor(int(getattr(pl_module, "images_encoded", 0)))
+        encoded = trainer.strategy.reduce(encoded.to(pl_module.device), reduce_op="sum")
+        self.images_encoded = int(encoded.item())  # over all ranks (0: a feature store's)
         trainer.strategy.barrier()  # every rank's file is written
         if not trainer.is_global_zero:
             return
@@ -146,6 +151,11 @@ class FrolicReport(FrolicPredictionWriter):
             out / "head.pt",
         )
         self.summary = self._summary(trainer, module, joined, names, paths)
+        encoded = self.images_encoded
+        self.summary["features"] = getattr(datamodule, "feature_source", "encoded")
+        self.summary["images_encoded"] = (
+            getattr(module, "images_encoded", None) if encoded is None else encoded
+        )
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         probability = getattr(module, "class_probability_", {})
         if self.plots:
@@ -317,6 +327,8 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("split"):
         lines.append(f"  split: {summary['split']}")
+    if summary.get("features", "encoded") != "encoded":
+        lines.append(f"  features: {summary['features']}")
     accuracy = summary["accuracy"]
     if accuracy:
         width = max(len(row) for row in accuracy)

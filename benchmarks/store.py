@@ -1,0 +1,181 @@
+"""Refit from a feature store at ImageNet size, beside the cost of encoding the images again.
+
+Run: ``python benchmarks/store.py`` (about 2 minutes on 2 CPU cores; ``--quick``: seconds).
+Writes ``benchmarks/results/store.json``.
+
+N = 50,000 CLIP-like unit features, d = 512, K = 1,000 (``common.clip_like``), for each storage
+dtype (float32, float16) in a fresh process:
+
+* **write**: the features as 8 rank shards (rank r holds indices r, r + 8, ...: what 8 GPUs
+  write) and the manifest (``frolic_tta.data.store``: ``write_shard``, ``write_manifest``,
+  which reads every shard back and hashes it);
+* **load**: ``load_store`` with the key check and each shard's SHA-256 verified, joined by
+  global index (float16: back to float32, re-normalised);
+* **refit**: ``trainer.predict`` of a real ``FrolicModule`` (ViT-B-16 architecture, not used:
+  its ``build_prototypes`` returns the generated prototypes) over a DataLoader of the stored
+  features, batch 256, ``ablations=False``, on the CPU: the predict loop without the encoder
+  (batches, moment updates) and finalize (head, tau_g, beta, filling the outputs), measured
+  inside the run, the median of 3 runs; and once with ``ablations=True`` (every Table 3/4 row,
+  labels given).
+
+The encode cost beside it is ``benchmarks/results/overhead.json``'s: ViT-B-16 per image on this
+CPU, times 50,000, and its text-prototype time (1,000 classes x 80 templates), which a refit
+pays again (the store holds image features only). The estimator measured is the one checked
+out (``commit`` in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import common
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from frolic_tta import FrolicModule
+from frolic_tta.data.store import FeatureDataset, load_store, write_manifest, write_shard
+
+for _name in ("lightning.pytorch", "lightning.fabric"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+GOAL_REFIT_S = 5.0
+RANKS = 8
+KEY = {"format": 1, "model_name": "benchmark", "dataset": "clip-like"}
+
+
+class GivenPrototypes(FrolicModule):
+    """FrolicModule whose prototypes are given (no text encoder), finalize timed."""
+
+    prototypes_given: Tensor
+    finalize_s: float = 0.0
+    loop_s: float = 0.0
+    loop_start: float = 0.0
+
+    def build_prototypes(self) -> Tensor:
+        return self.prototypes_given
+
+    def on_predict_start(self) -> None:
+        self.loop_start = common.now()
+        super().on_predict_start()
+
+    def finalize(self) -> None:
+        start = common.now()
+        self.loop_s = start - self.loop_start  # prototypes, batches, moment updates
+        super().finalize()
+        self.finalize_s = common.now() - start
+
+
+def refit(features: Tensor, labels: Tensor, prototypes: Tensor, ablations: bool) -> dict:
+    module = GivenPrototypes(
+        model_name="ViT-B-16",
+        pretrained=None,
+        class_names=[f"class {j}" for j in range(prototypes.shape[0])],
+        templates=["{}"],
+        tau_c=0.01,
+        ablations=ablations,
+    )
+    module.prototypes_given = prototypes
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = DataLoader(FeatureDataset(features, labels), batch_size=256)
+    start, cpu = common.now(), common.cpu_seconds()
+    outputs = trainer.predict(module, loader)
+    total, cpu = common.now() - start, common.cpu_seconds() - cpu
+    prediction = torch.cat([o["prediction"] for o in outputs])
+    return {
+        "predict_s": total,
+        "cores_used": cpu / total,  # CPU time / wall time: 2 = both cores were ours
+        "loop_s": module.loop_s,
+        "finalize_s": module.finalize_s,
+        "images_encoded": module.images_encoded,
+        "accuracy": float((prediction == labels).double().mean()),
+        "tau_g": module.head.tau_g,
+    }
+
+
+def worker(case: dict[str, Any]) -> dict[str, Any]:
+    n, k, d = case["n"], case["k"], case["d"]
+    features, prototypes, labels = common.clip_like(n, k, d)
+    folder = Path(tempfile.mkdtemp(prefix="frolic_store_"))
+    try:
+        dtype = {"float32": torch.float32, "float16": torch.float16}[case["dtype"]]
+        start = common.now()
+        for rank in range(RANKS):
+            index = torch.arange(rank, n, RANKS)
+            write_shard(folder, rank, index, features[index].to(dtype), labels[index])
+        write_manifest(folder, KEY, RANKS)
+        write_s = common.now() - start
+        size = sum(p.stat().st_size for p in folder.iterdir())
+        start = common.now()
+        stored = load_store(folder, KEY)
+        load_s = common.now() - start
+        error = float((stored.features - features).abs().max())
+        repeats = [
+            refit(stored.features, stored.labels, prototypes, ablations=False)
+            for _ in range(case["repeats"])
+        ]
+        median = sorted(repeats, key=lambda r: r["predict_s"])[len(repeats) // 2]
+        runs = {"refit": {**median, "predict_s_runs": [r["predict_s"] for r in repeats]}}
+        runs["refit, every row"] = refit(stored.features, stored.labels, prototypes, True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "write_s": write_s,
+        "store_mib": size / 2**20,
+        "load_s": load_s,
+        "max_abs_feature_error": error,
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 2,000, K = 100 (smoke run)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    info = common.machine_info()
+    size = {"n": 2_000, "k": 100, "d": 64} if args.quick else {"n": 50_000, "k": 1_000, "d": 512}
+    cases = []
+    for dtype in ("float32", "float16"):
+        case = {**size, "dtype": dtype, "repeats": 1 if args.quick else 3}
+        result = common.run_json_worker(["benchmarks/store.py", "--worker", json.dumps(case)])
+        cases.append({"case": case, "result": result})
+        print(f"{dtype}: {json.dumps(result)[:200]}...", flush=True)
+    over = common.read_result("overhead")
+    encode = None
+    if over is not None and not args.quick:
+        encode = {
+            "n": size["n"],
+            "encode_s_per_image": over["encode_s_per_image"],
+            "encode_s": over["encode_s_per_image"] * size["n"],
+            "prompt_encoding_s": over["prompt_encoding_s"],
+            "source": f"overhead.json, {over['machine']['date']}",
+        }
+    payload = {
+        "machine": common.finish_info(info),
+        "goal_refit_s": GOAL_REFIT_S,
+        "encode": encode,
+        "cases": cases,
+    }
+    from report import store_section
+
+    print(store_section(payload))
+    name = "store_quick" if args.quick else "store"
+    print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
