@@ -34,7 +34,6 @@ from frolic_tta.synthetic import clip_world, paper_world, prior_shift_world
 RESULTS = Path(__file__).parent / "results"
 
 
-
 def head_for(candidate: str, features: torch.Tensor, prototypes: torch.Tensor):
     """``(weight, bias, center, covariance)`` of a candidate, f_g = weight (x - center) + bias."""
     sums = moment_sums(features, prototypes, 0.01)
@@ -64,8 +63,14 @@ def run_head(candidate: str, world) -> dict[str, float]:
     try:
         weight, bias, mu, sigma = head_for(candidate, x, z)
     except torch.linalg.LinAlgError:  # singular covariance: the candidate cannot be used
-        return {"f_c": accuracy(x @ z.t(), y), "f_g": math.nan, "f_f": math.nan,
-                "f_d": math.nan, "min_eig": 0.0, "pd": 0.0}
+        return {
+            "f_c": accuracy(x @ z.t(), y),
+            "f_g": math.nan,
+            "f_f": math.nan,
+            "f_d": math.nan,
+            "min_eig": 0.0,
+            "pd": 0.0,
+        }
     gda = (x - mu) @ weight.t() + bias
     zero_shot = x @ z.t()
     tau_g = match_temperature(gda, zero_shot, 0.01)
@@ -73,8 +78,11 @@ def run_head(candidate: str, world) -> dict[str, float]:
     beta = frolic_tta.estimate_label_bias(fused)
     eig = torch.linalg.eigvalsh(sigma)  # min_eig < 1e-12: numerically singular
     out = {
-        "f_c": accuracy(zero_shot, y), "f_g": accuracy(gda, y), "f_f": accuracy(fused, y),
-        "f_d": accuracy(fused - beta.log(), y), "min_eig": float(eig.min()),
+        "f_c": accuracy(zero_shot, y),
+        "f_g": accuracy(gda, y),
+        "f_f": accuracy(fused, y),
+        "f_d": accuracy(fused - beta.log(), y),
+        "min_eig": float(eig.min()),
         "pd": float(eig.min() > 0),
     }
     if world.covariance is not None:
@@ -113,8 +121,11 @@ def run_bias(world) -> dict[str, dict[str, float]]:
             "acc": accuracy(logits - beta.log(), y),
             "seconds": time.perf_counter() - start,
         }
-    rows["biased"] = {"l1": float((1 / len(world.prior) - world.prior).abs().sum()),
-                      "acc": accuracy(logits, y), "seconds": 0.0}
+    rows["biased"] = {
+        "l1": float((1 / len(world.prior) - world.prior).abs().sum()),
+        "acc": accuracy(logits, y),
+        "seconds": 0.0,
+    }
     rows["bayes"] = {"l1": 0.0, "acc": accuracy(world.bayes_logits, y), "seconds": 0.0}
     return rows
 
@@ -144,8 +155,10 @@ def main() -> None:
     bias = {}
     for sep in (0.5, 0.7):
         for ratio in (20.0, 1.0):
-            runs = [run_bias(prior_shift_world(20000, separation=sep, ratio=ratio, seed=s))
-                    for s in seeds]
+            runs = [
+                run_bias(prior_shift_world(20000, separation=sep, ratio=ratio, seed=s))
+                for s in seeds
+            ]
             bias[f"sep={sep},ratio={ratio:g}"] = mean_rows(runs)
     print(f"GDA heads (mean over {len(seeds)} seeds; accuracy, PD = share of seeds PD)")
     for wname, table in heads.items():
@@ -158,10 +171,20 @@ def main() -> None:
         for method, row in table.items():
             print(f"{method:>10}  l1 {row['l1']:.3f}  acc {row['acc']:.4f}  {row['seconds']:.2f}s")
     RESULTS.mkdir(exist_ok=True)
-    payload = {"seeds": len(seeds), "heads": heads, "bias": bias,
-               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    (RESULTS / "defaults.json").write_text(json.dumps(payload, indent=1, default=lambda v: None
-                                           if isinstance(v, float) and math.isnan(v) else v))
+    payload = {
+        "seeds": len(seeds),
+        "heads": heads,
+        "bias": bias,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (RESULTS / "defaults.json").write_text(
+        json.dumps(
+            payload,
+            indent=1,
+            default=lambda v: None if isinstance(v, float) and math.isnan(v) else v,
+        )
+    )
 
 
 if __name__ == "__main__":

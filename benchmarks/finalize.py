@@ -30,8 +30,10 @@ import common
 import torch
 from probe import Probe, ShapeAudit, instrument
 
+from frolic_tta.options import FrolicOptions, paper_options
+
 TAU_C, EPS = 0.01, 0.01
-PHASES = ("moments", "head solve", "tau search", "beta loop", "scoring")
+PHASES = ("moments", "test prior", "head solve", "tau search", "beta loop", "scoring")
 
 
 def default_cases(quick: bool) -> list[dict[str, Any]]:
@@ -62,6 +64,9 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
         case("sweep, K = 100", 10_000, 100, 512),
         case("sweep, K = 1,000", 10_000, 1_000, 512),
         case("ImageNet, ViT-B-16", 50_000, 1_000, 512),
+        case(
+            "ImageNet, ViT-B-16, balanced (previous default)", 50_000, 1_000, 512, "ours-balanced"
+        ),
         case("ImageNet, ViT-B-16, paper options", 50_000, 1_000, 512, "ours-paper"),
         case("ImageNet, ViT-B-16, float64 reference", 50_000, 1_000, 512, "reference"),
         case("ImageNet, ViT-B-16, fit_frolic(sums=None)", 50_000, 1_000, 512, "ours-nosums"),
@@ -85,7 +90,10 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
     from frolic_tta.metrics import FrolicMoments
 
     n, batch = x.shape[0], case["batch_size"]
-    paper = case["mode"] == "ours-paper"
+    options = {
+        "ours-paper": paper_options(),
+        "ours-balanced": FrolicOptions(test_prior="uniform"),
+    }.get(case["mode"], FrolicOptions())
     sums = None
     if case["mode"] != "ours-nosums":  # the module: one update per encoded batch
         probe.push("moments")
@@ -102,17 +110,16 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
     fit = core.fit_frolic(
         x,
         z,
+        options,
         tau_c=TAU_C,
         eps=EPS,
-        covariance="paper" if paper else "soft",
-        bias="paper" if paper else "soft",
         sums=sums,
         reduce_fn=probe.reduce,
         keep_logits=case["keep_logits"],
         chunk_size=case["chunk_size"],
     )
     # FrolicModule.finalize: fill each batch's placeholders, per-class probability
-    log_beta = torch.log(fit.head.beta).to(device=x.device, dtype=torch.float32)
+    offset = fit.head.log_offset().to(device=x.device, dtype=torch.float32)
     probability = torch.zeros(2, z.shape[0], dtype=torch.float64)
     outputs = case["outputs"]
     for start in range(0, n, batch):
@@ -125,7 +132,7 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
             outputs["logits"][start : start + batch].copy_(logits.cpu())
         outputs["prediction"][start : start + batch].copy_(prediction.cpu())
         outputs["confidence"][start : start + batch].copy_(confidence.cpu())
-        probability[0] += torch.softmax(logits + log_beta, 1).sum(0, dtype=torch.float64).cpu()
+        probability[0] += torch.softmax(logits - offset, 1).sum(0, dtype=torch.float64).cpu()
         probability[1] += torch.softmax(logits, 1).sum(0, dtype=torch.float64).cpu()
     probe.rows["scoring"] += n
     probe.reduce(probability)
@@ -242,6 +249,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         "passes_total": sum(probe.rows.values()) / n,
         "tau_steps": probe.calls["tau_steps"],
         "beta_steps": probe.calls["beta_steps"],
+        "em_passes": probe.calls["em_passes"],
         "power_iterations": probe.calls["power_iterations"],
         "reduce_calls": probe.calls["reduce_fn"],
         "extra_mib": extra,

@@ -129,16 +129,20 @@ def instrument(probe: Probe) -> None:
     import frolic_tta.calibration as calibration
     import frolic_tta.debias as debias
     import frolic_tta.logits as streams
+    import frolic_tta.matching as matching
     import frolic_tta.pipeline as core
+    import frolic_tta.prior as prior
 
     core.moment_sums = probe.phase("moments", core.moment_sums)
+    core.estimate_test_prior = probe.phase("test prior", core.estimate_test_prior)
+    core.mixture_disagreement = probe.phase("test prior", core.mixture_disagreement)
     core.fit_gaussian_head = probe.phase("head solve", core.fit_gaussian_head)
     core.match_temperature = probe.phase("tau search", core.match_temperature)
-    core.estimate_label_bias = probe.phase("beta loop", core.estimate_label_bias)
+    core.fit_label_bias = probe.phase("beta loop", core.fit_label_bias)
     calibration._confidence_sums = probe.counted("tau_steps", calibration._confidence_sums)
-    for name in ("_newton_sums", "_hard_class_matrix"):  # one call per beta step
-        if hasattr(debias, name):
-            setattr(debias, name, probe.counted("beta_steps", getattr(debias, name)))
+    prior.responsibility_sums = probe.counted("em_passes", prior.responsibility_sums)
+    matching._sums = probe.counted("beta_steps", matching._sums)
+    debias._hard_class_matrix = probe.counted("beta_steps", debias._hard_class_matrix)
     debias.power_iteration = probe.counted("power_iterations", debias.power_iteration)
     for cls in (streams.TensorLogits, streams.LinearLogits):
         cls.chunks = probe.streamed(cls.chunks)  # type: ignore[method-assign]

@@ -177,8 +177,8 @@ def fit_label_bias(
     r""":func:`estimate_label_bias` with its diagnostics (:class:`~frolic_tta.matching.MassMatch`:
     :math:`\hat\beta`, the logit offset, undetermined classes, convergence).
 
-    ``target`` (the test prior :math:`\pi`, default uniform) and ``bound`` (on
-    :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|`) apply to ``"soft"`` and the Oracle;
+    ``target`` (the test prior :math:`\pi`, default uniform) and ``bound`` (half the largest
+    :math:`\ln(\max\hat\beta/\min\hat\beta)`) apply to ``"soft"`` and the Oracle;
     the other methods ignore them but still return ``log_offset``
     :math:`= \ln\pi - \ln\hat\beta`. Warns when the loop does not converge or when the data
     leave some :math:`\hat\beta_j` undetermined.
@@ -283,8 +283,8 @@ def estimate_label_bias(
             well posed even when :math:`S \approx I`).
         target: ``(K,)`` test prior :math:`\pi` the debiased class masses should match
             (``"soft"``; default uniform, Proposition 2's balanced test set).
-        bound: largest :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|` (``"soft"``;
-            ``None``: only ``prior_floor``), see :mod:`frolic_tta.matching`.
+        bound: half the largest :math:`\ln(\max\hat\beta/\min\hat\beta)` (``"soft"``;
+            ``None``: set by ``prior_floor``), see :mod:`frolic_tta.matching`.
         max_iter: cap on iterations (Newton passes for ``"soft"``, outer loops for ``"paper"``;
             each a fixed number of ``reduce_fn`` calls).
         prior_floor: :math:`\beta_j \ge` ``prior_floor`` / K.

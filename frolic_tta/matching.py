@@ -20,9 +20,10 @@ debiased logits (GLA's supervised prior estimate): the Oracle.
 
 **Bound.** Where posteriors are hard (:math:`S \approx I`) the masses move only when a decision
 boundary crosses samples, so :math:`J` keeps decreasing as some :math:`b_j` runs off: the data
-do not determine :math:`\hat\beta`. Where a ``bound`` is given, every :math:`\ln\hat\beta_j`
-is kept within it of the mean :math:`\overline{\ln\hat\beta}` (a box:
-:math:`\max\hat\beta/\min\hat\beta \le e^{2\,\text{bound}}`). Classes at the box, and classes
+do not determine :math:`\hat\beta`. :math:`J` does not change when a constant is added to
+:math:`b`, so a box :math:`b \in [-\text{bound}, \text{bound}]^K` bounds
+:math:`\max\hat\beta/\min\hat\beta \le e^{2\,\text{bound}}` (without ``bound``, the
+``prior_floor`` sets it). Classes at the box, and classes
 whose bias moves less than one sample's worth of posterior mass (:math:`N h_j < 1`, with
 :math:`h_j = \frac1N\sum_i q_{ij}(1 - q_{ij})`), are reported as undetermined.
 
@@ -87,11 +88,6 @@ def _sums(source: LogitSource, shift: Tensor) -> Tensor:
     return total
 
 
-def _project(b: Tensor, bound: float) -> Tensor:
-    centred = b - b.mean()
-    return centred.clamp(-bound, bound)
-
-
 def match_class_masses(
     source: LogitSource,
     target: Tensor | None = None,
@@ -108,7 +104,7 @@ def match_class_masses(
     Args:
         source: the logits :math:`f` of the local shard.
         target: ``(K,)`` test prior :math:`\pi` (positive, sums to 1); ``None``: uniform.
-        bound: largest :math:`|\ln\hat\beta_j - \overline{\ln\hat\beta}|` (``None``: only
+        bound: half the largest :math:`\ln(\max\hat\beta/\min\hat\beta)` (``None``: set by
             ``prior_floor``).
         eps: stop when :math:`\|\Delta\hat\beta\|_1 < \epsilon` and the projected gradient's L1
             norm (the class-mass error where no bound is active) is :math:`< \epsilon`.
@@ -131,8 +127,8 @@ def match_class_masses(
         return objective, target - sums[2 : k + 2] / n, sums[k + 2 :] / n, n
 
     def projected(b: Tensor, gradient: Tensor) -> Tensor:
-        centred = b - b.mean()
-        blocked = ((centred >= box) & (gradient < 0)) | ((centred <= -box) & (gradient > 0))
+        # J is invariant to adding a constant to b, so the box [-bound, bound] fixes the gauge
+        blocked = ((b >= box) & (gradient < 0)) | ((b <= -box) & (gradient > 0))
         return torch.where(blocked, torch.zeros_like(gradient), gradient)
 
     b = torch.zeros(k, dtype=torch.float64)
@@ -141,23 +137,27 @@ def match_class_masses(
     step_size, evaluations, converged = 1.0, 1, False
     while evaluations < max_iter:
         direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)
-        trial = _project(b - step_size * direction, box)
+        trial = (b - step_size * direction).clamp(-box, box)
         trial_objective, trial_gradient, trial_curvature, _ = evaluate(trial)
         evaluations += 1
         decrease = 1e-4 * float((gradient * (b - trial)).sum())  # Armijo, <= 0
         if trial_objective > objective - abs(decrease) and step_size > 1e-6:
             step_size *= 0.5  # reject: retry a shorter step from the same point
             continue
+        norm = float(projected(trial, trial_gradient).abs().sum())
+        before = float(projected(b, gradient).abs().sum())
+        crawling = step_size >= 1.0 and norm > 0.9 * before
         b, objective, gradient, curvature = trial, trial_objective, trial_gradient, trial_curvature
-        step_size = min(1.0, 2.0 * step_size)
+        # Newton steps converge fast where the masses respond; where a class's mass barely
+        # moves they crawl: longer steps then, still checked by Armijo
+        step_size = min(1024.0, 2.0 * step_size) if crawling else min(1.0, 2.0 * step_size)
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
         beta = new
-        if change < eps and float(projected(b, gradient).abs().sum()) < eps or change == 0.0:
+        if change < eps and norm < eps or change == 0.0:
             converged = True
             break
-    centred = b - b.mean()
-    at_bound = (centred.abs() >= box * (1 - 1e-9)) & (projected(b, gradient) != gradient)
+    at_bound = (b.abs() >= box * (1 - 1e-9)) & (projected(b, gradient) != gradient)
     beta = torch.clamp(beta, min=prior_floor / k)
     beta = beta / beta.sum()
     return MassMatch(
