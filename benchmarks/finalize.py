@@ -285,9 +285,15 @@ def main() -> None:
         "--n21k",
         type=int,
         default=None,
-        help="N actually run for the 21k case (default 10,000; 200,000 = full, ~1 h)",
+        help="N run for the 21k case (default 10,000; 200,000 = full, never completed here)",
     )
     parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a case may take before it is stopped (the full 21k case needs hours on CPU)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -306,7 +312,8 @@ def main() -> None:
         if args.n21k and "21k" in case["label"]:
             case["n_run"] = args.n21k
         case.update(device=args.device, batch_size=args.batch_size)
-        result = common.run_json_worker(["benchmarks/finalize.py", "--worker", json.dumps(case)])
+        worker_args = ["benchmarks/finalize.py", "--worker", json.dumps(case)]
+        result = common.run_json_worker(worker_args, timeout=args.case_timeout)
         result["date"] = common.machine_info(args.device)["date"]
         if case["n_run"] != case["n"]:
             result["extrapolated"] = scale(result, case["n"] / case["n_run"])

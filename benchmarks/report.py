@@ -376,9 +376,11 @@ def limits_note(over: dict[str, Any] | None, fin: dict[str, Any] | None) -> str:
         notes.append(
             f"The 21k case streams {r['passes_total']:.0f} passes, each a 200,000 × 512 × 21,841 "
             f"matmul plus softmaxes: ≈ {fmt(r['extrapolated']['finalize_s'] / 60)} min on 2 "
-            f"cores (extrapolated from N = {c['n_run']:,}; with {c['n_run'] / c['k']:.2g} "
-            "samples per class there, the iteration counts at N = 200,000 may differ: "
-            "`python benchmarks/finalize.py --only 21k --n21k 200000` measures them)."
+            f"cores, an **extrapolation** from a run at N = {c['n_run']:,}, not a measurement "
+            f"(with {c['n_run'] / c['k']:.2g} samples per class there, the iteration counts at "
+            "N = 200,000 may differ). The full case has never completed on our machines: "
+            "`python benchmarks/finalize.py --only 21k --n21k 200000` was stopped by the "
+            "script's 30-minute limit per case; add `--case-timeout 14400` to let it run."
         )
     if over:
         big = at_imagenet(over, fin)
