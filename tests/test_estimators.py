@@ -263,7 +263,7 @@ def test_bad_labels_and_tau():
     logits = torch.randn(10, 3)
     with pytest.raises(ValueError, match=r"`labels` of shape \(10,\)"):
         frolic_tta.estimate_label_bias(logits, labels=torch.zeros(9, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"`tau_c` > 0, but got 0"):
+    with pytest.raises(ValueError, match=r"`tau_c` to be a finite number > 0, but got 0.0"):
         frolic_tta.match_temperature(logits, logits, tau_c=0)
     with pytest.raises(ValueError, match="same number of classes"):
         frolic_tta.match_temperature(logits, torch.randn(10, 4))
