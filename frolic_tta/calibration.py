@@ -7,11 +7,17 @@ r"""Prediction fusion via confidence matching (paper Section 3.3, Eqs. 10-12).
     \quad\text{(Eq. 11)}.
 
 ``conf`` decreases monotonically in :math:`\tau` (from 1 at :math:`\tau\to0` to :math:`1/K`),
-so Eq. 11 is a root search. We search :math:`u = \ln\tau` with Newton steps safeguarded by a
-bracket (bisection when a step leaves it); the derivative is itself a sum over samples,
+so Eq. 11 is a root search. It is solved on the confidence *deficit* :math:`D = 1 -
+\operatorname{conf}`, summed without cancellation (:func:`_confidence_sums`): on confident data
+(CLIP at :math:`\tau_c = 0.01`) :math:`\operatorname{conf}(f_c)` can be :math:`1 - 10^{-13}`,
+which rounds to 1 in float32, and every small :math:`\tau` would then "match". We take Newton
+steps on :math:`\ln D(u) - \ln D_c` in :math:`u = \ln\tau` (smooth even where :math:`D` is
+tiny), safeguarded by a bracket (bisection when a step leaves it); the derivative is itself a
+sum over samples,
 
 .. math::
-    \frac{\partial p_{\max}}{\partial \ln\tau} = -\frac{p_{\max}\,(f_{a} - \sum_j p_j f_j)}{\tau},
+    \frac{\partial (1 - p_{\max})}{\partial \ln\tau}
+    = \frac{p_{\max}\sum_{j \ne a} p_j (f_{a} - f_j)}{\tau},
 
 so each step costs one pass over the logits and one call of ``reduce_fn``. The stop test is on
 reduced values, so every shard stops at the same step.
