@@ -150,3 +150,68 @@ def test_inputs_that_require_grad_give_outputs_that_do_not():
     assert result.tau_g == plain.tau_g
     fit = frolic_tta.fit_frolic(features, prototypes)
     assert not fit.logits.requires_grad and not fit.sums.outer_sum.requires_grad
+
+
+def test_non_unit_rows_need_an_explicit_normalize():
+    features, prototypes = unit_world()
+    raw = features * torch.linspace(0.31, 12.4, features.shape[0])[:, None]
+    with pytest.raises(
+        ValueError,
+        match=r"Expected unit-norm rows in `features` \(.*\), but got row norms from 0\.31 to "
+        r"12\.4\. Pass normalize=True to normalise them, or normalize=False to use them as "
+        r"they are\.",
+    ):
+        frolic_tta.frolic(raw, prototypes)
+    with pytest.raises(ValueError, match=r"unit-norm rows in `prototypes`.*from 2 to 2\."):
+        frolic_tta.frolic(features, 2 * prototypes)
+    with pytest.raises(TypeError, match=r"`normalize` to be True, False or None, but got 'yes'"):
+        frolic_tta.frolic(features, prototypes, normalize="yes")
+    normalised = frolic_tta.frolic(raw, 2 * prototypes, normalize=True)
+    unit = frolic_tta.frolic(features, prototypes)
+    torch.testing.assert_close(normalised.logits, unit.logits, rtol=1e-5, atol=1e-4)
+    as_is = frolic_tta.frolic(raw, prototypes, normalize=False)
+    torch.testing.assert_close(as_is.features, raw)
+    # float16 rounding of unit rows is within the (dtype-aware) tolerance
+    assert frolic_tta.validation.non_unit_rows(features.half()) == 0
+    assert frolic_tta.validation.non_unit_rows(features * 1.002) == features.shape[0]
+
+
+def test_non_unit_rows_on_one_shard_stop_every_shard():
+    from tests.sharding import run_sharded
+
+    features, prototypes = unit_world()
+    shards = [features[:30], 3 * features[30:]]
+
+    def run(shard, reduce_fn):
+        try:
+            frolic_tta.frolic(shard, prototypes, reduce_fn=reduce_fn)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    unit_shard, raw_shard = run_sharded(run, shards)  # both raise: nobody waits in a collective
+    assert "row norms from 1 to 1 on this shard (30 rows off unit norm over all shards)" in (
+        unit_shard or ""
+    )
+    assert "but got row norms from 3 to 3." in (raw_shard or "")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_oracle_row_on_confident_bayes_posteriors_is_no_worse_than_f_f():
+    from frolic_tta.synthetic import prior_shift_world, zero_shot_view
+
+    world = prior_shift_world(num_samples=300, num_classes=10, separation=1.5, seed=0)
+    features, prototypes = zero_shot_view(world)  # zero-shot logits = the Bayes posterior
+    result = frolic_tta.frolic(features, prototypes, tau_c=1.0, normalize=False)
+    rows = result.ablations(world.labels)
+    oracle = frolic_tta.accuracy(rows["oracle"], world.labels)
+    assert oracle >= frolic_tta.accuracy(rows["f_f"], world.labels) - 0.01
+
+
+def test_features_on_the_prototypes_get_the_smallest_ridge_with_a_warning():
+    _, prototypes = unit_world()
+    features = prototypes[torch.arange(30) % 3]  # no within-class scatter at all
+    with pytest.warns(UserWarning, match=r"added \S+ I to make it positive definite"):
+        result = frolic_tta.frolic(features, prototypes)
+    assert bool(torch.isfinite(result.logits).all())
+    assert frolic_tta.accuracy(result.logits, torch.arange(30) % 3) == 1.0
