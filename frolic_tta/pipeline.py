@@ -44,7 +44,13 @@ from frolic_tta.prior import (
     with_agreement,
 )
 from frolic_tta.rows import RowContext, build_rows
-from frolic_tta.validation import check_unit_rows, non_unit_rows, validate_inputs
+from frolic_tta.validation import (
+    check_matrix,
+    check_prototypes,
+    check_unit_rows,
+    non_unit_rows,
+    validate_inputs,
+)
 
 
 def l2_normalize(tensor: Tensor) -> Tensor:
@@ -116,11 +122,15 @@ def fit_frolic(
 
     Raises:
         TypeError: ``tau_c`` is not a real number.
-        ValueError: ``tau_c`` is not finite and > 0, some shard holds a non-finite feature, or
-            fewer than 2 samples over all shards (every shard raises together).
+        ValueError: ``tau_c`` is not finite and > 0, bad ``prototypes`` (K < 2, not floating,
+            NaN/inf) or feature shape/dtype, some shard holds a non-finite feature, or fewer
+            than 2 samples over all shards (every shard raises together).
     """
     options = resolve_options(options, **overrides)
     tau_c = check_positive("tau_c", tau_c)
+    check_prototypes(prototypes)  # identical on every shard: every shard raises or none
+    # values are checked over all shards together (below), so no shard raises alone
+    check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=False)
     reduce_fn = reduce_fn or identity_reduce
     check_samples_everywhere(features, reduce_fn)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature

@@ -6,8 +6,10 @@ import torch
 from torch import Tensor
 
 
-def check_matrix(name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | None = None) -> None:
-    """Validate a 2-D floating tensor with finite values.
+def check_matrix(
+    name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | None = None, finite: bool = True
+) -> None:
+    """Validate a 2-D floating tensor with finite values (``finite=False``: values unchecked).
 
     Raises:
         ValueError: if ``tensor`` is not 2-D floating, has fewer than ``min_rows`` rows, has a
@@ -28,7 +30,7 @@ def check_matrix(name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | No
             f"Expected `{name}` to have {cols} columns (dimension mismatch), "
             f"but got shape {tuple(tensor.shape)}"
         )
-    if not bool(torch.isfinite(tensor).all()):
+    if finite and not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"Expected `{name}` to hold only finite values, but found NaN or inf")
 
 

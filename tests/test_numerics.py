@@ -73,6 +73,10 @@ def test_frolic_moments_refuses_what_frolic_refuses(prototypes, features, messag
         FrolicMoments(prototypes).update(features)
     with pytest.raises(ValueError, match=message):
         frolic_tta.frolic(features, prototypes)
+    if "finite" in message:  # fit_frolic counts them over all shards first
+        message = r"Expected finite features, but 4 sample\(s\) hold NaN or inf"
+    with pytest.raises(ValueError, match=message):
+        frolic_tta.fit_frolic(features, prototypes)
 
 
 def _call_with_tau_c(where: str, tau_c):
