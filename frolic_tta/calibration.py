@@ -7,11 +7,17 @@ r"""Prediction fusion via confidence matching (paper Section 3.3, Eqs. 10-12).
     \quad\text{(Eq. 11)}.
 
 ``conf`` decreases monotonically in :math:`\tau` (from 1 at :math:`\tau\to0` to :math:`1/K`),
-so Eq. 11 is a root search. We search :math:`u = \ln\tau` with Newton steps safeguarded by a
-bracket (bisection when a step leaves it); the derivative is itself a sum over samples,
+so Eq. 11 is a root search. It is solved on the confidence *deficit* :math:`D = 1 -
+\operatorname{conf}`, summed without cancellation (:func:`_confidence_sums`): on confident data
+(CLIP at :math:`\tau_c = 0.01`) :math:`\operatorname{conf}(f_c)` can be :math:`1 - 10^{-13}`,
+which rounds to 1 in float32, and every small :math:`\tau` would then "match". We take Newton
+steps on :math:`\ln D(u) - \ln D_c` in :math:`u = \ln\tau` (smooth even where :math:`D` is
+tiny), safeguarded by a bracket (bisection when a step leaves it); the derivative is itself a
+sum over samples,
 
 .. math::
-    \frac{\partial p_{\max}}{\partial \ln\tau} = -\frac{p_{\max}\,(f_{a} - \sum_j p_j f_j)}{\tau},
+    \frac{\partial (1 - p_{\max})}{\partial \ln\tau}
+    = \frac{p_{\max}\sum_{j \ne a} p_j (f_{a} - f_j)}{\tau},
 
 so each step costs one pass over the logits and one call of ``reduce_fn``. The stop test is on
 reduced values, so every shard stops at the same step.
@@ -26,24 +32,37 @@ import torch
 from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
+from frolic_tta.options import check_positive
 
 
 def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
-    """``[N, sum_i pmax_i, sum_i d pmax_i / d ln tau, sum_i (max_j f_ij - mean_j f_ij)]`` of
-    the local shard, float64 (the last entry, the logit spread, gives a first guess)."""
+    r"""``[N, sum_i (1 - pmax_i), sum_i d(1 - pmax_i)/d ln tau, sum_i margin_i]`` of the local
+    shard, float64.
+
+    The confidence *deficit* :math:`1 - p_{\max}` is summed instead of :math:`p_{\max}`, and
+    computed without cancellation: with :math:`e_j = \exp((f_j - f_a)/\tau)` for the top class
+    :math:`a` and :math:`r = \sum_{j \ne a} e_j`, :math:`1 - p_{\max} = r/(1 + r)` and
+    :math:`d(1 - p_{\max})/d\ln\tau = \sum_{j \ne a} e_j (f_a - f_j)/\tau\,/\,(1 + r)^2` (no
+    term that rounds to 1). So confident data keep their deficit (down to about 1e-38 in
+    float32) where :math:`p_{\max}` itself rounds to 1. The last entry, the logit spread
+    :math:`\max_j f_{ij} - \operatorname{mean}_j f_{ij}`, gives a first guess.
+    """
     total = torch.zeros(4, dtype=torch.float64)
     for _, logits in source.chunks():
-        probs = torch.softmax(logits / temperature, dim=1)
-        top, arg = probs.max(dim=1)
-        top_logit = logits.gather(1, arg[:, None]).squeeze(1)
-        expected = (probs * logits).sum(1)
-        slope = -top * (top_logit - expected) / temperature
+        scaled = logits / temperature
+        top, arg = scaled.max(dim=1, keepdim=True)
+        gap = top - scaled  # >= 0, 0 at the top class
+        rest = torch.exp(-gap).scatter_(1, arg, 0.0)
+        rest_sum = rest.sum(1)
+        norm = 1.0 + rest_sum
+        deficit = rest_sum / norm
+        growth = (rest * gap).sum(1) / (norm * norm)
         margin = logits.max(1).values - logits.mean(1)
         total += torch.stack(
             [
                 torch.tensor(float(logits.shape[0]), dtype=torch.float64),
-                top.sum(dtype=torch.float64).cpu(),
-                slope.sum(dtype=torch.float64).cpu(),
+                deficit.sum(dtype=torch.float64).cpu(),
+                growth.sum(dtype=torch.float64).cpu(),
                 margin.sum(dtype=torch.float64).cpu(),
             ]
         )
@@ -69,8 +88,9 @@ def confidence(
         reduce_fn: sums a tensor over shards (identity by default).
     """
     reduce_fn = reduce_fn or identity_reduce
+    temperature = check_positive("temperature", temperature)
     sums = reduce_fn(_confidence_sums(as_source(logits), temperature))
-    return float(sums[1] / sums[0])
+    return 1.0 - float(sums[1] / sums[0])
 
 
 def match_temperature(
@@ -89,19 +109,24 @@ def match_temperature(
         zero_shot_logits: ``(N, K)`` unscaled :math:`f_c = x^\top z`.
         tau_c: zero-shot temperature.
         tol: stop when :math:`|\operatorname{conf}(f_g,\tau_g) - \operatorname{conf}(f_c,\tau_c)|
-            \le` ``tol``.
+            \le` ``tol`` and the deficits :math:`1 - \operatorname{conf}` agree within
+            ``DEFICIT_TOL`` (relative), so that confident data (conf :math:`= 1 - 10^{-13}`)
+            get the root, not any temperature whose confidence rounds to 1.
         max_iter: cap on search steps (each one pass and one ``reduce_fn`` call).
         reduce_fn: sums a tensor over shards (identity by default).
 
     Returns:
-        :math:`\tau_g > 0`: once within ``tol`` one more Newton step is taken (so the result is
-        the root to float precision, not just any point within ``tol``). If the target
-        cannot be reached within ``max_iter`` (for example when all :math:`f_g` rows are
-        constant) a ``UserWarning`` is emitted and the best
-        temperature found is returned.
+        :math:`\tau_g > 0`: once within tolerance one more Newton step is taken and kept only
+        if it does not increase the (reduced) confidence gap, so the result is the root to
+        float precision and never worse than the converged point. If the target cannot be
+        reached within ``max_iter`` (for example when all :math:`f_g` rows are constant) a
+        ``UserWarning`` is emitted and the best temperature found is returned.
+
+    Raises:
+        TypeError: ``tau_c`` is not a real number.
+        ValueError: ``tau_c`` is not finite and > 0, or the two logits differ in N or K.
     """
-    if not tau_c > 0:
-        raise ValueError(f"Expected `tau_c` > 0, but got {tau_c}")
+    tau_c = check_positive("tau_c", tau_c)
     reduce_fn = reduce_fn or identity_reduce
     gda = as_source(gda_logits, "gda_logits")
     zero_shot = as_source(zero_shot_logits, "zero_shot_logits")
@@ -110,42 +135,51 @@ def match_temperature(
             "Expected `gda_logits` and `zero_shot_logits` to have the same number of classes, "
             f"but got {gda.num_classes} and {zero_shot.num_classes}"
         )
+    if gda.num_samples != zero_shot.num_samples:
+        raise ValueError(
+            "Expected `gda_logits` and `zero_shot_logits` to have the same number of samples "
+            f"(rows), but got {gda.num_samples} and {zero_shot.num_samples}"
+        )
     # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c);
     # each source is streamed once.
     first = reduce_fn(torch.cat([_confidence_sums(zero_shot, tau_c), _margin_sum(gda)]))
-    target = float(first[1] / first[0])
+    target = float(first[1] / first[0])  # the zero-shot deficit 1 - conf(f_c, tau_c)
     margin_c, margin_g = float(first[3]), float(first[4])
     u = math.log(tau_c * margin_g / margin_c) if margin_g > 0 and margin_c > 0 else math.log(tau_c)
-    lo, hi = -math.inf, math.inf  # bracket on u: conf(lo) >= target >= conf(hi)
+    lo, hi = -math.inf, math.inf  # bracket on u: deficit(lo) <= target <= deficit(hi)
     best_u, best_err = u, math.inf
-    polished = False
+    before_polish: tuple[float, float] | None = None  # (u, |gap|) where the polish started
     for _ in range(max_iter):
         sums = reduce_fn(_confidence_sums(gda, math.exp(u)))
-        conf, slope = float(sums[1] / sums[0]), float(sums[2] / sums[0])
-        err = conf - target
+        deficit, growth = float(sums[1] / sums[0]), float(sums[2] / sums[0])
+        err = deficit - target  # conf(f_c) - conf(f_g): > 0 means f_g is not confident enough
         if abs(err) < best_err:
             best_u, best_err = u, abs(err)
-        if polished:
-            return math.exp(u)
+        if before_polish is not None:  # keep the polishing step only if it did not hurt
+            return math.exp(u if abs(err) <= before_polish[1] else before_polish[0])
         if err > 0:
-            lo = max(lo, u)  # too confident: temperature must grow
+            hi = min(hi, u)  # not confident enough: temperature must shrink
         else:
-            hi = min(hi, u)
-        if abs(err) <= tol:
+            lo = max(lo, u)
+        step = _newton_step(deficit, growth, target)
+        if abs(err) <= tol and abs(_log_ratio(deficit, target)) <= DEFICIT_TOL:
+            if err == 0.0 or step is None:
+                return math.exp(u)
             # one more Newton step: quadratic convergence puts tau_g at the root to float
             # precision, so shards whose float32 logits differ in the last bit agree on tau_g
-            polished = True
-        step = -err / slope if slope < 0 else math.copysign(2.0, err)
+            before_polish = (u, abs(err))
+        if step is None:
+            step = -math.copysign(2.0, err)
         step = max(-3.0, min(3.0, step))
         candidate = u + step
         if not lo < candidate < hi:
             candidate = (
                 0.5 * (lo + hi)
                 if math.isfinite(lo) and math.isfinite(hi)
-                else (u + math.copysign(3.0, err))
+                else (u - math.copysign(3.0, err))
             )
         if candidate == u:
-            if polished:
+            if before_polish is not None:
                 return math.exp(u)
             break
         u = candidate
@@ -156,3 +190,23 @@ def match_temperature(
         stacklevel=2,
     )
     return math.exp(best_u)
+
+
+DEFICIT_TOL = 1e-3
+r"""Largest :math:`|\ln((1 - \operatorname{conf}_g)/(1 - \operatorname{conf}_c))|` accepted as a
+match (with ``tol``): 0.1 % of the deficit, far above float32 noise."""
+
+
+def _log_ratio(deficit: float, target: float) -> float:
+    """``ln(deficit / target)``: 0 when both are 0, -inf when only ``deficit`` is."""
+    if target <= 0.0:
+        return 0.0 if deficit <= 0.0 else math.inf
+    return math.log(deficit / target) if deficit > 0.0 else -math.inf
+
+
+def _newton_step(deficit: float, growth: float, target: float) -> float | None:
+    """Newton step in ``u = ln tau`` on ``ln deficit - ln target`` (smooth where the deficit
+    is tiny), or ``None`` where it is undefined (a deficit of 0, no slope)."""
+    if deficit <= 0.0 or growth <= 0.0 or target <= 0.0:
+        return None
+    return -math.log(deficit / target) * deficit / growth

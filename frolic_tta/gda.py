@@ -50,7 +50,14 @@ import torch
 from torch import Tensor
 
 from frolic_tta.logits import AffineMap, ReduceFn
-from frolic_tta.options import COVARIANCES, Covariance, Shrinkage, check_choice, check_shrinkage
+from frolic_tta.options import (
+    COVARIANCES,
+    Covariance,
+    Shrinkage,
+    check_choice,
+    check_positive,
+    check_shrinkage,
+)
 
 
 @dataclass
@@ -99,10 +106,15 @@ def moment_sums(features: Tensor, prototypes: Tensor, tau_c: float) -> MomentSum
         tau_c: zero-shot temperature of the posterior used for the soft statistics.
 
     Returns:
-        :class:`MomentSums` in float64.
+        :class:`MomentSums` in float64 (detached: no gradient flows through them).
+
+    Raises:
+        TypeError: ``tau_c`` is not a real number.
+        ValueError: ``tau_c`` is not finite and > 0.
     """
-    x = features.to(torch.float64)
-    posterior = zero_shot_posterior(x, prototypes, tau_c)
+    tau_c = check_positive("tau_c", tau_c)
+    x = features.detach().to(torch.float64)
+    posterior = zero_shot_posterior(x, prototypes.detach(), tau_c)
     return MomentSums(
         count=torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
         feature_sum=x.sum(0),

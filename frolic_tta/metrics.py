@@ -29,7 +29,9 @@ from torchmetrics.classification import (
 from frolic_tta.gda import MomentSums, moment_sums
 from frolic_tta.head import FrolicHead
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap
+from frolic_tta.options import check_positive
 from frolic_tta.rows import ROWS, available_rows
+from frolic_tta.validation import check_matrix, check_prototypes
 
 
 class FrolicMoments(Metric):
@@ -37,8 +39,13 @@ class FrolicMoments(Metric):
     soft sums :math:`\sum_i p_{ij}`, :math:`\sum_i p_{ij} x_i` (see :mod:`frolic_tta.gda`).
 
     Args:
-        prototypes: ``(K, d)`` class prototypes (a buffer; moves with the metric).
-        tau_c: zero-shot temperature of the soft assignments.
+        prototypes: ``(K, d)`` class prototypes (a buffer; moves with the metric); floating,
+            finite, K >= 2.
+        tau_c: zero-shot temperature of the soft assignments (finite, > 0).
+
+    Raises:
+        TypeError: ``tau_c`` is not a real number.
+        ValueError: bad ``prototypes`` or ``tau_c`` (the checks of :func:`frolic_tta.frolic`).
 
     Memory: :math:`O(d^2 + K d)` float64, independent of N.
 
@@ -64,12 +71,9 @@ class FrolicMoments(Metric):
 
     def __init__(self, prototypes: Tensor, tau_c: float = 0.01, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if prototypes.ndim != 2:
-            raise ValueError(
-                f"Expected `prototypes` of shape (K, d), but got {tuple(prototypes.shape)}"
-            )
+        check_prototypes(prototypes)
         k, d = prototypes.shape
-        self.tau_c = tau_c
+        self.tau_c = check_positive("tau_c", tau_c)
         self.register_buffer(
             "prototypes", prototypes.detach().to(torch.float64).clone(), persistent=False
         )
@@ -81,12 +85,13 @@ class FrolicMoments(Metric):
         self.add_state("soft_sum", torch.zeros(k, d, dtype=f64), dist_reduce_fx="sum")
 
     def update(self, features: Tensor) -> None:
-        """Add a batch of features ``(n, d)`` (any float dtype; accumulated in float64)."""
-        if features.ndim != 2 or features.shape[1] != self.prototypes.shape[1]:
-            raise ValueError(
-                f"Expected `features` of shape (n, {self.prototypes.shape[1]}), "
-                f"but got {tuple(features.shape)}"
-            )
+        """Add a batch of features ``(n, d)`` (any float dtype; accumulated in float64).
+
+        Raises:
+            ValueError: ``features`` is not a 2-D floating tensor with d columns, or holds NaN
+                or inf (checked as in :func:`frolic_tta.frolic`).
+        """
+        check_matrix("features", features, min_rows=0, cols=self.prototypes.shape[1])
         sums = moment_sums(features.to(self.prototypes.device), self.prototypes, self.tau_c)
         self.count += sums.count
         self.feature_sum += sums.feature_sum

@@ -36,7 +36,7 @@ from frolic_tta.logits import (
     compute_dtype,
     identity_reduce,
 )
-from frolic_tta.options import FrolicOptions, resolve_options
+from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
     estimate_test_prior,
@@ -44,7 +44,13 @@ from frolic_tta.prior import (
     with_agreement,
 )
 from frolic_tta.rows import RowContext, build_rows
-from frolic_tta.validation import validate_inputs
+from frolic_tta.validation import (
+    check_matrix,
+    check_prototypes,
+    check_unit_rows,
+    non_unit_rows,
+    validate_inputs,
+)
 
 
 def l2_normalize(tensor: Tensor) -> Tensor:
@@ -81,6 +87,7 @@ class FrolicFit:
     logits: Tensor | None = None
 
 
+@torch.no_grad()
 def fit_frolic(
     features: Tensor,
     prototypes: Tensor,
@@ -110,10 +117,22 @@ def fit_frolic(
         keep_logits: hold one ``(N_local, K)`` buffer (fast; it becomes ``FrolicFit.logits`` =
             :math:`f_d`) or recompute logits chunk by chunk (no N x K tensor at all).
         chunk_size: rows per chunk (``None``: about 2M logits per chunk).
+
+    Runs under ``torch.no_grad()``: nothing it returns requires grad.
+
+    Raises:
+        TypeError: ``tau_c`` is not a real number.
+        ValueError: ``tau_c`` is not finite and > 0, bad ``prototypes`` (K < 2, not floating,
+            NaN/inf) or feature shape/dtype, some shard holds a non-finite feature, or fewer
+            than 2 samples over all shards (every shard raises together).
     """
     options = resolve_options(options, **overrides)
+    tau_c = check_positive("tau_c", tau_c)
+    check_prototypes(prototypes)  # identical on every shard: every shard raises or none
+    # values are checked over all shards together (below), so no shard raises alone
+    check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=False)
     reduce_fn = reduce_fn or identity_reduce
-    check_finite_everywhere(features, reduce_fn)
+    check_samples_everywhere(features, reduce_fn)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
@@ -197,20 +216,25 @@ def floored(prior: Tensor, prior_floor: float) -> Tensor:
     return prior / prior.sum()
 
 
-def check_finite_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
-    """Raise on every shard together if any shard holds a non-finite feature.
+def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
+    """Raise on every shard together if any shard holds a non-finite feature, or if all shards
+    together hold fewer than 2 samples (one reduction).
 
     Raises:
-        ValueError: NaN or inf in the features of some shard (all shards raise, so none is
-            left waiting in a collective).
+        ValueError: NaN or inf in the features of some shard, or N < 2 over all shards (all
+            shards raise, so none is left waiting in a collective).
     """
     local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
-    bad = float(reduce_fn(torch.tensor([float(local)], dtype=torch.float64))[0])
+    counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
+    bad, total = (int(v) for v in reduce_fn(counts).tolist())
     if bad:
         raise ValueError(
-            f"Expected finite features, but {int(bad)} sample(s) hold NaN or inf; drop or "
+            f"Expected finite features, but {bad} sample(s) hold NaN or inf; drop or "
             "repair them before fitting (FrolicModule skips them and reports their indices)"
         )
+    if total < 2:
+        where = "" if reduce_fn is identity_reduce else " over all shards"
+        raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
 
 
 @dataclass
@@ -255,13 +279,14 @@ class FrolicResult:
         return {key: row.logits(self.features) for key, row in build_rows(ctx).items()}
 
 
+@torch.no_grad()
 def frolic(
     features: Tensor,
     prototypes: Tensor,
     options: FrolicOptions | None = None,
     *,
     tau_c: float = 0.01,
-    normalize: bool = False,
+    normalize: bool | None = None,
     reduce_fn: ReduceFn | None = None,
     **overrides: Any,
 ) -> FrolicResult:
@@ -276,11 +301,19 @@ def frolic(
         tau_c: zero-shot temperature; the default 0.01 is OpenAI CLIP's learned
             :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
             own (``frolic_tta.clip.model_temperature(model)``).
-        normalize: L2-normalise features and prototypes first (CLIP features).
+        normalize: ``None`` (default): require unit-norm rows (CLIP embeddings after L2
+            normalisation) and raise otherwise; ``True``: L2-normalise features and prototypes
+            first; ``False``: use them as they are (e.g. the paper's Gaussian model).
         reduce_fn: sums a tensor over shards; ``features`` is then the local shard.
 
     Returns:
-        :class:`FrolicResult`.
+        :class:`FrolicResult`. It runs under ``torch.no_grad()``: no output requires grad.
+
+    Raises:
+        TypeError: ``tau_c`` is not a real number, ``normalize`` not a bool or ``None``.
+        ValueError: bad shapes or values (:func:`~frolic_tta.validation.validate_inputs`),
+            ``tau_c`` not finite and > 0, fewer than 2 samples (over all shards), or
+            non-unit rows with ``normalize=None``.
 
     Example::
 
@@ -288,14 +321,23 @@ def frolic(
         >>> g = torch.Generator().manual_seed(0)
         >>> z = torch.randn(3, 8, generator=g)
         >>> x = z[torch.arange(60) % 3] + 0.5 * torch.randn(60, 8, generator=g)
-        >>> res = frolic_tta.frolic(x, z)
+        >>> res = frolic_tta.frolic(x, z, normalize=False)  # the paper's model: no unit norm
         >>> res.logits.shape, round(float(res.beta.sum()), 6)
         (torch.Size([60, 3]), 1.0)
     """
     options = resolve_options(options, **overrides)
-    validate_inputs(features, prototypes, normalize=normalize)
+    tau_c = check_positive("tau_c", tau_c)
+    if normalize is not None and not isinstance(normalize, bool):
+        raise TypeError(f"Expected `normalize` to be True, False or None, but got {normalize!r}")
+    # a shard may be empty; N >= 2 over all shards is checked by fit_frolic (one reduction)
+    validate_inputs(features, prototypes, normalize=normalize, min_rows=0 if reduce_fn else 1)
     if features.shape[0] < 2 and reduce_fn is None:
         raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
+    if normalize is None:
+        count = torch.tensor([float(non_unit_rows(features))], dtype=torch.float64)
+        count = count if reduce_fn is None else reduce_fn(count)  # every shard raises together
+        check_unit_rows("features", features, count=int(count[0]))
+        check_unit_rows("prototypes", prototypes)  # identical on every shard
     if normalize:
         features, prototypes = l2_normalize(features), l2_normalize(prototypes)
     fit = fit_frolic(

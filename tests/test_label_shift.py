@@ -26,7 +26,8 @@ BALANCED = FrolicOptions(test_prior="uniform")
 def fit(x, z, options=None, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return frolic_tta.frolic(x, z, options, **kwargs)
+        # Proposition 2's Gaussian world is not unit-norm: its features are used as they are
+        return frolic_tta.frolic(x, z, options, normalize=False, **kwargs)
 
 
 def rows(result, labels):
