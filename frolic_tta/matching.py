@@ -145,12 +145,8 @@ def match_class_masses(
             step_size *= 0.5  # reject: retry a shorter step from the same point
             continue
         norm = float(projected(trial, trial_gradient).abs().sum())
-        before = float(projected(b, gradient).abs().sum())
-        crawling = step_size >= 1.0 and norm > 0.9 * before
         b, objective, gradient, curvature = trial, trial_objective, trial_gradient, trial_curvature
-        # Newton steps converge fast where the masses respond; where a class's mass barely
-        # moves they crawl: longer steps then, still checked by Armijo
-        step_size = min(1024.0, 2.0 * step_size) if crawling else min(1.0, 2.0 * step_size)
+        step_size = min(1.0, 2.0 * step_size)
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
         beta = new
