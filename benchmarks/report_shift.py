@@ -15,6 +15,11 @@ def _pt(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:+.1f}"
 
 
+def _ratio(value: float | None) -> str:
+    """A max/min ratio: plain up to 1e6, then as a power of ten."""
+    return fmt(value) if value is None or value < 1e6 else f"{value:.1e}"
+
+
 def machine_line(m: dict[str, Any]) -> str:
     """One line about the machine a result was measured on."""
     return (
@@ -60,7 +65,7 @@ def label_shift_section(p: dict[str, Any] | None) -> str:
                 fmt(_mean(w["shift_weight"])),
                 fmt(_mean(w["test_prior_l1"])),
                 fmt(_mean(w["raw_test_prior_l1"])),
-                fmt(_mean(w["zero_shot_beta_max_over_min"])),
+                _ratio(_mean(w["zero_shot_beta_max_over_min"])),
                 fmt(_mean(w["undetermined"])),
                 fmt(_mean(w.get("zero_shot_beta_l1"))),
                 fmt(_mean(w.get("beta_l1"))),
@@ -102,8 +107,8 @@ def pretrained_section(p: dict[str, Any] | None) -> str:
                 *[fmt(run["accuracy"].get(key)) for key in rows_keys],
                 fmt(run["spearman_zero_shot_beta"]),
                 fmt(run["spearman_beta"]),
-                fmt(run["zero_shot_beta_max_over_min"]),
-                fmt(run["beta_max_over_min"]),
+                _ratio(run["zero_shot_beta_max_over_min"]),
+                _ratio(run["beta_max_over_min"]),
                 run["undetermined"],
             ]
         )
