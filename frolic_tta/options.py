@@ -95,8 +95,8 @@ class FrolicOptions:
         bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
             written), ``"implicit"`` (Eq. 15 on test data) or ``"none"``.
         test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; estimated by EM
-            on the Gaussian mixture, :mod:`frolic_tta.prior`, which also refines the head's
-            class means and covariance) or ``"uniform"`` (a balanced test set, the paper's
+            on the Gaussian mixture, :mod:`frolic_tta.prior`; the head :math:`f_g` itself stays
+            the zero-shot-weighted one) or ``"uniform"`` (a balanced test set, the paper's
             assumption).
         em_iterations: cap on the EM passes (``test_prior="em"``; one pass over the features
             each).

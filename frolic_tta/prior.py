@@ -20,7 +20,9 @@ the zero-shot responsibilities (the soft statistics accumulated while encoding):
 Each iteration is one pass over the features and one reduction of ``K (d + 1)`` sums; the
 stop test (:math:`\|\Delta\hat\pi\|_1 < \epsilon`) is taken on reduced values, so every rank
 takes the same steps. SQUAREM extrapolation (:func:`estimate_test_prior`) cuts the passes
-EM needs where classes overlap. The final sums give the refined head of the pipeline.
+EM needs where classes overlap. The fitted mixture serves the agreement check
+(:func:`mixture_disagreement`); the pipeline's :math:`f_g` stays the head fitted under the
+zero-shot posterior.
 Shapes: N samples, K classes, d embedding dim.
 """
 
