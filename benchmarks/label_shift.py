@@ -9,6 +9,7 @@ Every world has known labels and a known test prior (``frolic_tta.synthetic``):
   N = 20,000 (zero-shot about 0.59): balanced, long-tailed test priors (max/min 10 and 100), 30 %
   of the classes present, and natural sampling (i.i.d. labels from a uniform prior);
 * ``clip, N = 2,000``: the same with 40 samples per class (few samples per mean parameter);
+* ``K=400, 10 per class``: 4,000 samples, d = 256 (the EM weights are mostly noise);
 * ``separable``: K = 400, d = 256, zero-shot 0.99 (the case issue 9 reported) and 0.8,
   natural sampling;
 * ``confident``: the balanced clip world scored with tau_c = 0.002 (posteriors 5x too sharp);
@@ -72,6 +73,8 @@ def world_specs(quick: bool) -> dict[str, dict[str, Any]]:
     separable = {"kind": "clip", "n": n, "k": 400, "d": 256, "prior": "balanced", "sample": True}
     specs["separable (zero-shot 0.99)"] = {**separable, "noise": 0.08, "tilt": 0.1, "bias": 0.02}
     specs["separable (zero-shot 0.8)"] = {**separable, "noise": 0.25}
+    specs["K=400, 10 per class"] = {"kind": "clip", "n": 4000, "k": 400, "d": 256}
+    specs["K=400, 10 per class"].update(prior="balanced")
     specs["confident (tau_c 0.002)"] = {"kind": "clip", "n": n, "prior": "balanced", "tau": 2e-3}
     for label, kind in (("balanced", "balanced"), ("long-tailed 10", "long-tailed:10")):
         specs[f"prop2 {label}"] = {"kind": "prop2", "n": n, "prior": kind}

@@ -135,7 +135,6 @@ def instrument(probe: Probe) -> None:
 
     core.moment_sums = probe.phase("moments", core.moment_sums)
     core.estimate_test_prior = probe.phase("test prior", core.estimate_test_prior)
-    core.mixture_disagreement = probe.phase("test prior", core.mixture_disagreement)
     core.fit_gaussian_head = probe.phase("head solve", core.fit_gaussian_head)
     core.match_temperature = probe.phase("tau search", core.match_temperature)
     core.fit_label_bias = probe.phase("beta loop", core.fit_label_bias)

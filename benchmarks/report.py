@@ -163,8 +163,8 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
     ]  # fmt: skip
     lines = [markdown_table(headers, rows), ""]
     lines.append(
-        "finalize = everything after the last encoder batch (test prior: EM on the mixture and "
-        "its agreement with f_f; head solve, τ search, β loop: the fused and the zero-shot "
+        "finalize = everything after the last encoder batch (test prior: EM on the mixture; "
+        "head solve, τ search, β loop: the fused and the zero-shot "
         "label biases, "
         "scoring = logit buffers + filling the outputs); moments are accumulated per batch "
         "during encoding and listed separately. Passes count rows streamed through the logits "

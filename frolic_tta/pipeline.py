@@ -40,8 +40,6 @@ from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
     estimate_test_prior,
-    mixture_disagreement,
-    with_agreement,
 )
 from frolic_tta.rows import RowContext, build_rows
 from frolic_tta.validation import (
@@ -175,10 +173,6 @@ def fit_frolic(
         fused = TensorLogits(buffer, chunk_size)
     else:
         fused = head.fused().source(features, chunk_size)
-    disagreement = None
-    if em is not None:
-        disagreement = mixture_disagreement(fused, features, em, reduce_fn, chunk_size)
-        em = with_agreement(em, disagreement)
     test_prior = None if em is None else floored(em.prior, options.prior_floor)
     solve = partial(
         fit_label_bias,
@@ -201,7 +195,6 @@ def fit_frolic(
         raw_test_prior=None if em is None else em.raw,
         shift_weight=0.0 if em is None else em.weight,
         likelihood_ratio=None if em is None else em.likelihood_ratio,
-        disagreement=disagreement,
         beta=bias.beta,
         beta_undetermined=bias.undetermined,
         zero_shot_beta=zero_shot_bias.beta,

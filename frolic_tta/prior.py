@@ -20,9 +20,8 @@ the zero-shot responsibilities (the soft statistics accumulated while encoding):
 Each iteration is one pass over the features and one reduction of ``K (d + 1)`` sums; the
 stop test (:math:`\|\Delta\hat\pi\|_1 < \epsilon`) is taken on reduced values, so every rank
 takes the same steps. SQUAREM extrapolation (:func:`estimate_test_prior`) cuts the passes
-EM needs where classes overlap. The fitted mixture serves the agreement check
-(:func:`mixture_disagreement`); the pipeline's :math:`f_g` stays the head fitted under the
-zero-shot posterior.
+EM needs where classes overlap. Only :math:`\hat\pi` is used: the pipeline's :math:`f_g`
+stays the head fitted under the zero-shot posterior.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -35,7 +34,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
-from frolic_tta.logits import DEFAULT_CHUNK_SIZE, LogitSource, ReduceFn, identity_reduce
+from frolic_tta.logits import DEFAULT_CHUNK_SIZE, ReduceFn, identity_reduce
 from frolic_tta.options import Shrinkage
 
 
@@ -249,44 +248,6 @@ def estimate_test_prior(
     )
 
 
-def mixture_disagreement(
-    fused: LogitSource,
-    features: Tensor,
-    em: TestPrior,
-    reduce_fn: ReduceFn | None = None,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> float:
-    r"""Share of samples on which the EM mixture's posterior and the fused classifier
-    :math:`f_f` predict different classes (one pass, one reduction)."""
-    reduce_fn = reduce_fn or identity_reduce
-    log_prior = torch.log(em.raw.clamp(min=torch.finfo(torch.float64).tiny))
-    mixture = em.head.affine().shift(log_prior).source(features, chunk_size)
-    counts = torch.zeros(2, dtype=torch.float64)
-    for (_, ours), (_, theirs) in zip(fused.chunks(), mixture.chunks(), strict=True):
-        counts[0] += float((ours.argmax(1) != theirs.argmax(1).to(ours.device)).sum())
-        counts[1] += ours.shape[0]
-    counts = reduce_fn(counts)
-    return float(counts[0] / counts[1].clamp(min=1.0))
-
-
-def with_agreement(em: TestPrior, disagreement: float) -> TestPrior:
-    r"""The test prior trusted where two independent classifiers agree on nearly every sample.
-
-    The EM counts of a class can be off by at most the share of samples assigned to it
-    wrongly; where the mixture and the fused classifier disagree on a share :math:`\delta` of
-    the samples, :math:`\|\hat\pi - \text{counts}\|_1 \lesssim 2\delta` when they agree with
-    the truth. On separable data (:math:`\delta \approx 0`) the EM estimate is the test set's
-    class counts even where the counts differ from uniform by sampling alone, a deviation the
-    likelihood ratio cannot tell from noise. The weight becomes
-    :math:`\max\big(w,\ 1 - 2\delta / \|\hat\pi - \mathbf 1/K\|_1\big)`.
-    """
-    uniform = torch.full_like(em.raw, 1.0 / em.raw.shape[0])
-    deviation = float((em.raw - uniform).abs().sum())
-    agreed = max(0.0, 1.0 - 2.0 * disagreement / deviation) if deviation > 0 else 0.0
-    weight = max(em.weight, agreed)
-    return replace(em, prior=uniform + weight * (em.raw - uniform), weight=weight)
-
-
 @dataclass(frozen=True)
 class Priors:
     r"""What a fit estimated about class priors (for results, reports and plots).
@@ -297,7 +258,6 @@ class Priors:
         raw_test_prior: ``(K,)`` the EM estimate before shrinkage, or ``None``.
         shift_weight: the shrinkage weight :math:`w` (0: treated as balanced).
         likelihood_ratio: :math:`\Lambda` of the EM estimate against uniform, or ``None``.
-        disagreement: share of samples where the mixture and :math:`f_f` disagree, or ``None``.
         beta: ``(K,)`` the fused classifier's label bias :math:`\hat\beta` (Eq. 13 on
             :math:`f_f`), the offset :math:`f_d` removes; it also absorbs the class sizes of
             the Gaussian head, so it is an offset more than a prior.
@@ -312,7 +272,6 @@ class Priors:
     raw_test_prior: Tensor | None
     shift_weight: float
     likelihood_ratio: float | None
-    disagreement: float | None
     beta: Tensor
     beta_undetermined: Tensor
     zero_shot_beta: Tensor
@@ -343,9 +302,6 @@ class Priors:
                 "likelihood_ratio": None
                 if self.likelihood_ratio is None
                 else float(f"{self.likelihood_ratio:.{digits}g}"),
-                "disagreement": None
-                if self.disagreement is None
-                else float(f"{self.disagreement:.{digits}g}"),
                 "max_over_min": float(
                     f"{float(self.test_prior.max() / self.test_prior.min()):.{digits}g}"
                 ),
