@@ -281,7 +281,16 @@ def stored_priors(head: FrolicHead) -> Priors:
     unknown = torch.zeros(k, dtype=torch.bool)
     zero_shot = head.zero_shot_beta if head.zero_shot_beta is not None else uniform
     test = head.test_prior if head.test_prior is not None else uniform
-    return Priors(test, None, 0.0, None, None, head.beta, unknown, zero_shot, unknown)
+    return Priors(
+        test_prior=test,
+        raw_test_prior=None,
+        shift_weight=0.0,
+        likelihood_ratio=None,
+        beta=head.beta,
+        beta_undetermined=unknown,
+        zero_shot_beta=zero_shot,
+        zero_shot_beta_undetermined=unknown,
+    )
 
 
 def _round(value: float) -> float:
