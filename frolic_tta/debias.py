@@ -219,7 +219,7 @@ def fit_label_bias(
             prior_floor=prior_floor,
             reduce_fn=reduce_fn,
         )
-        _warn_about(result, k, max_iter, eps)
+        warn_about_match(result, k, max_iter, eps)
         return result
     beta = uniform
     for passes in range(1, max_iter + 1):
@@ -238,7 +238,8 @@ def fit_label_bias(
     return _uniform_result(beta, target, False, max_iter)
 
 
-def _warn_about(result: MassMatch, k: int, max_iter: int, eps: float) -> None:
+def warn_about_match(result: MassMatch, k: int, max_iter: int, eps: float) -> None:
+    """Warn when the matching stopped at ``max_iter`` or left classes undetermined."""
     if not result.converged:
         warnings.warn(
             f"estimate_label_bias(method='soft') stopped after max_iter={max_iter} passes "

@@ -94,12 +94,15 @@ class FrolicOptions:
             ``"oas"``, a float in [0, 1], or ``None``.
         bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
             written), ``"implicit"`` (Eq. 15 on test data) or ``"none"``.
-        test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; estimated by EM
-            on the Gaussian mixture, :mod:`frolic_tta.prior`; the head :math:`f_g` itself stays
-            the zero-shot-weighted one) or ``"uniform"`` (a balanced test set, the paper's
+        test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; the weights of
+            the Gaussian mixture refitted under the debiased fused posterior,
+            :mod:`frolic_tta.prior`; the head :math:`f_g` itself stays the zero-shot-weighted
+            one) or ``"uniform"`` (a balanced test set, the paper's
             assumption).
-        em_iterations: cap on the EM passes (``test_prior="em"``; one pass over the features
-            each).
+        prior_tol: the test prior's tolerance (``test_prior="em"``): the mixture's EM stops
+            when a cycle moves :math:`\hat\pi` by less than this in L1 (:mod:`frolic_tta.prior`).
+        prior_passes: cap on the mixture's EM passes, a safety net: reaching it warns and is
+            reported as ``converged: false``.
         shift_evidence: how much evidence an imbalanced test prior needs: the constant
             :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
             (:class:`~frolic_tta.prior.TestPrior`); ``0`` uses the EM estimate as it is.
@@ -128,8 +131,9 @@ class FrolicOptions:
     shrinkage: Shrinkage = "auto"
     bias: BiasMethod = "soft"
     test_prior: TestPriorMethod = "em"
-    em_iterations: int = 12
-    shift_evidence: float = 2.0
+    prior_tol: float = 1e-4
+    prior_passes: int = 100
+    shift_evidence: float = 0.5
     beta_ratio_bound: float | None = 1e8
     eps: float = 0.01
     max_iter: int = 100
@@ -155,7 +159,8 @@ class FrolicOptions:
                 )
         check_positive("eps", self.eps)
         check_count("max_iter", self.max_iter, minimum=1)
-        check_count("em_iterations", self.em_iterations, minimum=1)
+        check_positive("prior_tol", self.prior_tol)
+        check_count("prior_passes", self.prior_passes, minimum=1)
         floor = check_positive("prior_floor", self.prior_floor)
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")

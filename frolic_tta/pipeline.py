@@ -15,6 +15,8 @@ Shapes: N samples, K classes, d embedding dim.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,13 +25,14 @@ import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature
-from frolic_tta.debias import fit_label_bias
+from frolic_tta.debias import fit_label_bias, warn_about_match
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
+    LogitSource,
     ReduceFn,
     TensorLogits,
     chunk_rows,
@@ -96,6 +99,7 @@ def fit_frolic(
     reduce_fn: ReduceFn | None = None,
     keep_logits: bool = True,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    progress: Callable[[str], None] | None = None,
     **overrides: Any,
 ) -> FrolicFit:
     r"""Run Algorithm 1 on the local shard ``features`` ``(N_local, d)``.
@@ -115,6 +119,9 @@ def fit_frolic(
         keep_logits: hold one ``(N_local, K)`` buffer (fast; it becomes ``FrolicFit.logits`` =
             :math:`f_d`) or recompute logits chunk by chunk (no N x K tensor at all).
         chunk_size: rows per chunk (``None``: about 2M logits per chunk).
+        progress: called with the name of each phase as it starts (``"temperature"``,
+            ``"test prior"``, ``"label bias"``, ``"zero-shot prior"``, ``"done"``); on every
+            shard alike, so a caller reports it once (rank zero).
 
     Runs under ``torch.no_grad()``: nothing it returns requires grad.
 
@@ -138,69 +145,107 @@ def fit_frolic(
     if sums is None:
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
     k = prototypes.shape[0]
-    em = None
-    if options.test_prior == "em":
-        em = estimate_test_prior(
-            features,
-            prototypes,
-            sums,
-            shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
-            iterations=options.em_iterations,
-            evidence=options.shift_evidence,
-            prior_floor=options.prior_floor,
-            reduce_fn=reduce_fn,
-            chunk_size=chunk_size,
-        )
+    report = progress or _silent
     gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     z = prototypes.to(torch.float64)
-    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    head = FrolicHead(z, gaussian, tau_c, 1.0, uniform)
-    zero_shot = head.zero_shot().source(features, chunk_size)
+    scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))  # f_c / tau_c
+    zero_shot = scaled.source(features, chunk_size)
     gda = gaussian.affine().source(features, chunk_size)
-    buffer = None
-    if keep_logits:
-        buffer = torch.empty(
-            features.shape[0], k, dtype=compute_dtype(features), device=features.device
-        )
-        for start, chunk in gda.chunks():
-            buffer[start : start + chunk.shape[0]] = chunk
-        gda = TensorLogits(buffer, chunk_size)
-    head.tau_g = match_temperature(gda, zero_shot, tau_c, reduce_fn=reduce_fn)
+    buffer = scratch = None
+    if keep_logits:  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
+        buffer, scratch = (_new_buffer(features, k) for _ in range(2))
+        _fill(buffer, gda)
+        _fill(scratch, zero_shot)
+        gda, zero_shot = TensorLogits(buffer, chunk_size), TensorLogits(scratch, chunk_size)
+    report("temperature")
+    tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
     if buffer is not None:
         for start, chunk in zero_shot.chunks():
-            rows = buffer[start : start + chunk.shape[0]]
-            rows.div_(head.tau_g).add_(chunk, alpha=1.0 / tau_c)
+            buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
         fused = TensorLogits(buffer, chunk_size)
     else:
         fused = head.fused().source(features, chunk_size)
-    test_prior = None if em is None else floored(em.prior, options.prior_floor)
-    solve = partial(
+    match = partial(
         fit_label_bias,
-        method=options.bias,
-        target=test_prior,
         eps=options.eps,
         max_iter=options.max_iter,
         prior_floor=options.prior_floor,
         reduce_fn=reduce_fn,
     )
-    bias = solve(fused)
-    scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))
-    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
-    zero_shot_bias = solve(scaled.source(features, chunk_size), bound=box)
-    head.beta, head.test_prior, head.zero_shot_beta = bias.beta, test_prior, zero_shot_bias.beta
+    estimate = None
+    if options.test_prior == "em":
+        report("test prior")
+        estimate = estimate_test_prior(
+            features,
+            prototypes,
+            fused,
+            sums,
+            shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
+            evidence=options.shift_evidence,
+            tol=options.prior_tol,
+            max_passes=options.prior_passes,
+            match_eps=options.eps,
+            match_max_iter=options.max_iter,
+            prior_floor=options.prior_floor,
+            reduce_fn=reduce_fn,
+            chunk_size=chunk_size,
+            buffer=scratch,
+        )
+        if not estimate.converged:
+            warnings.warn(
+                f"the test prior's EM stopped at prior_passes={options.prior_passes} before "
+                f"reaching prior_tol={options.prior_tol}; it is reported as converged: false "
+                "(raise prior_passes, or prior_tol)",
+                UserWarning,
+                stacklevel=3,
+            )
+    test_prior = None if estimate is None else floored(estimate.prior, options.prior_floor)
+    report("label bias")
+    if estimate is not None and options.bias == "soft":
+        bias = estimate.bias
+        warn_about_match(bias, k, options.max_iter, options.eps)
+    else:
+        bias = match(fused, method=options.bias, target=test_prior)
+    head.beta, head.test_prior = bias.beta, test_prior
     if buffer is not None:
         buffer.add_(head.log_offset().to(buffer))
+    report("zero-shot prior")
+    if scratch is not None:
+        if estimate is not None:  # the scratch held the mixture's logits: f_c / tau_c again
+            _fill(scratch, scaled.source(features, chunk_size))
+        zero_shot = TensorLogits(scratch, chunk_size)
+    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
+    zero_shot_bias = match(zero_shot, method=options.bias, target=test_prior, bound=box)
+    head.zero_shot_beta = zero_shot_bias.beta
     priors = Priors(
         test_prior=uniform if test_prior is None else test_prior,
-        raw_test_prior=None if em is None else em.raw,
-        shift_weight=0.0 if em is None else em.weight,
-        likelihood_ratio=None if em is None else em.likelihood_ratio,
+        raw_test_prior=None if estimate is None else estimate.raw,
+        shift_weight=0.0 if estimate is None else estimate.weight,
+        likelihood_ratio=None if estimate is None else estimate.likelihood_ratio,
         beta=bias.beta,
         beta_undetermined=bias.undetermined,
         zero_shot_beta=zero_shot_bias.beta,
         zero_shot_beta_undetermined=zero_shot_bias.undetermined,
+        converged=True if estimate is None else estimate.converged,
+        passes=0 if estimate is None else estimate.passes,
     )
+    report("done")
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
+
+
+def _silent(phase: str) -> None:
+    """The default ``progress``: says nothing."""
+
+
+def _new_buffer(features: Tensor, k: int) -> Tensor:
+    return torch.empty(features.shape[0], k, dtype=compute_dtype(features), device=features.device)
+
+
+def _fill(buffer: Tensor, source: LogitSource) -> None:
+    for start, chunk in source.chunks():
+        buffer[start : start + chunk.shape[0]] = chunk
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
