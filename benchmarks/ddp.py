@@ -1,4 +1,4 @@
-"""DDP on CPU: FrolicModule with 1 vs 2 processes, same data and weights; predictions and time.
+"""DDP on CPU: FrolicModule with 1 vs 2 processes, same long-tailed data and weights.
 
 Run: ``python benchmarks/ddp.py`` (about a minute on 2 CPU cores; ``--quick``: ~30 s).
 Writes ``benchmarks/results/ddp.json``.
@@ -52,17 +52,23 @@ CLASS_NAMES = [
 
 
 class PatternImages(Dataset):
-    """Seeded 3 x 64 x 64 images, class ``i % K`` with a class-specific colour offset."""
+    """Seeded 3 x 64 x 64 images with a class-specific colour offset; the labels follow a
+    long-tailed test prior (max/min 10, :func:`frolic_tta.synthetic.shifted_prior`), so the
+    default's test prior is estimated, not taken as balanced."""
 
     def __init__(self, n: int, k: int, size: int = 64) -> None:
+        from frolic_tta.synthetic import class_labels, shifted_prior
+
         self.n, self.k, self.size = n, k, size
+        prior = shifted_prior("long-tailed:10", k, seed=0)
+        self.labels = class_labels(n, k, torch.Generator().manual_seed(0), prior).tolist()
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(index)
-        label = index % self.k
+        label = self.labels[index]
         image = 0.5 * torch.randn(3, self.size, self.size, generator=g)
         image[label % 3] += 0.2 * (1 + label // 3)
         return {"image": image, "index": index, "label": label}
@@ -145,6 +151,7 @@ def compare(one: Path, two: Path, n: int) -> dict[str, Any]:
         "accuracies_compared": len(accuracies),
         "accuracy_f_c": [sa["metrics"]["acc/f_c"], sb["metrics"]["acc/f_c"]],
         "accuracy_f_d": [sa["metrics"]["acc/f_d"], sb["metrics"]["acc/f_d"]],
+        "test_prior_weight": [s["metrics"]["test_prior_weight"] for s in (sa, sb)],
         "encoder_passes_per_image": [sa["images_encoded"] / n, sb["images_encoded"] / n],
         "index_each_once": True,  # join_predictions raised otherwise
     }

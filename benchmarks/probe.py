@@ -139,7 +139,7 @@ def instrument(probe: Probe) -> None:
     core.match_temperature = probe.phase("tau search", core.match_temperature)
     core.fit_label_bias = probe.phase("beta loop", core.fit_label_bias)
     calibration._confidence_sums = probe.counted("tau_steps", calibration._confidence_sums)
-    prior.responsibility_sums = probe.counted("em_passes", prior.responsibility_sums)
+    prior._posterior_sums = probe.counted("em_passes", prior._posterior_sums)  # mixture refits
     matching._sums = probe.counted("beta_steps", matching._sums)
     debias._hard_class_matrix = probe.counted("beta_steps", debias._hard_class_matrix)
     debias.power_iteration = probe.counted("power_iterations", debias.power_iteration)

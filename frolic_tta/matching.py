@@ -97,6 +97,7 @@ def match_class_masses(
     max_iter: int = 100,
     prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
+    init: Tensor | None = None,
 ) -> MassMatch:
     r"""Minimise :math:`J(b)` (module docstring): :math:`\hat\beta` whose debiased class masses
     equal ``target``.
@@ -111,6 +112,8 @@ def match_class_masses(
         max_iter: cap on passes.
         prior_floor: :math:`\hat\beta_j \ge` ``prior_floor`` / K.
         reduce_fn: sums a tensor over shards (identity by default).
+        init: ``(K,)`` a :math:`\hat\beta` to start from (a warm start, e.g. the solution for a
+            nearby ``target``); default uniform.
     """
     reduce_fn = reduce_fn or identity_reduce
     k = source.num_classes
@@ -132,8 +135,11 @@ def match_class_masses(
         return torch.where(blocked, torch.zeros_like(gradient), gradient)
 
     b = torch.zeros(k, dtype=torch.float64)
+    if init is not None:  # ln beta with the gauge fixed at mean 0, inside the box
+        log_init = torch.log(init.to(torch.float64).cpu())
+        b = (log_init - log_init.mean()).clamp(-box, box)
     objective, gradient, curvature, n = evaluate(b)
-    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    beta = torch.softmax(b, 0)
     step_size, evaluations, converged = 1.0, 1, False
     while evaluations < max_iter:
         direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)

@@ -99,10 +99,11 @@ class FrolicOptions:
             :mod:`frolic_tta.prior`; the head :math:`f_g` itself stays the zero-shot-weighted
             one) or ``"uniform"`` (a balanced test set, the paper's
             assumption).
-        prior_tol: the test prior's tolerance (``test_prior="em"``): the mixture's EM stops
-            when a cycle moves :math:`\hat\pi` by less than this in L1 (:mod:`frolic_tta.prior`).
-        prior_passes: cap on the mixture's EM passes, a safety net: reaching it warns and is
-            reported as ``converged: false``.
+        prior_rounds: refits of the mixture under the debiased fused posterior once the
+            balanced one shows an imbalanced test set (``test_prior="em"``,
+            :mod:`frolic_tta.prior`); each refit's weights are solved to ``prior_tol``.
+        prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
+            a solve that stops at its cap warns and is reported as ``converged: false``.
         shift_evidence: how much evidence an imbalanced test prior needs: the constant
             :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
             (:class:`~frolic_tta.prior.TestPrior`); ``0`` uses the EM estimate as it is.
@@ -131,8 +132,8 @@ class FrolicOptions:
     shrinkage: Shrinkage = "auto"
     bias: BiasMethod = "soft"
     test_prior: TestPriorMethod = "em"
-    prior_tol: float = 1e-4
-    prior_passes: int = 100
+    prior_rounds: int = 3
+    prior_tol: float = 1e-7
     shift_evidence: float = 0.5
     beta_ratio_bound: float | None = 1e8
     eps: float = 0.01
@@ -160,7 +161,7 @@ class FrolicOptions:
         check_positive("eps", self.eps)
         check_count("max_iter", self.max_iter, minimum=1)
         check_positive("prior_tol", self.prior_tol)
-        check_count("prior_passes", self.prior_passes, minimum=1)
+        check_count("prior_rounds", self.prior_rounds, minimum=0)
         floor = check_positive("prior_floor", self.prior_floor)
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")

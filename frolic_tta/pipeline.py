@@ -184,8 +184,8 @@ def fit_frolic(
             sums,
             shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
             evidence=options.shift_evidence,
+            rounds=options.prior_rounds,
             tol=options.prior_tol,
-            max_passes=options.prior_passes,
             match_eps=options.eps,
             match_max_iter=options.max_iter,
             prior_floor=options.prior_floor,
@@ -195,9 +195,8 @@ def fit_frolic(
         )
         if not estimate.converged:
             warnings.warn(
-                f"the test prior's EM stopped at prior_passes={options.prior_passes} before "
-                f"reaching prior_tol={options.prior_tol}; it is reported as converged: false "
-                "(raise prior_passes, or prior_tol)",
+                f"the test prior's mixture weights did not reach prior_tol={options.prior_tol} "
+                "within their cap of passes; the test prior is reported as converged: false",
                 UserWarning,
                 stacklevel=3,
             )
@@ -229,6 +228,7 @@ def fit_frolic(
         zero_shot_beta=zero_shot_bias.beta,
         zero_shot_beta_undetermined=zero_shot_bias.undetermined,
         converged=True if estimate is None else estimate.converged,
+        rounds=0 if estimate is None else estimate.rounds,
         passes=0 if estimate is None else estimate.passes,
     )
     report("done")

@@ -44,6 +44,7 @@ Shapes: N samples, K classes, d embedding dim.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,7 +59,7 @@ from frolic_tta.logits import (
     identity_reduce,
 )
 from frolic_tta.matching import MassMatch, match_class_masses
-from frolic_tta.mixture import fit_mixture, mixture_weights
+from frolic_tta.mixture import mixture_weights
 from frolic_tta.options import Shrinkage
 
 
@@ -72,9 +73,10 @@ class TestPrior:
         weight: :math:`w` in [0, 1] (0: the test set is treated as balanced).
         likelihood_ratio: :math:`\Lambda` of the balanced mixture's weights (>= 0).
         bias: the matching of the fused logits to ``prior`` (:math:`\hat\beta`, the offset).
+        rounds: refits after the balanced one (0: taken as balanced).
         passes: passes over the logits or features (each with one reduction).
-        converged: the mixture's EM reached ``tol`` before ``max_passes`` (``True`` when the
-            test set was taken as balanced and no EM ran).
+        converged: every solve of the mixture weights reached ``tol`` (the matching of the
+            logits reports its own convergence, :class:`~frolic_tta.matching.MassMatch`).
     """
 
     prior: Tensor
@@ -82,6 +84,7 @@ class TestPrior:
     weight: float
     likelihood_ratio: float
     bias: MassMatch
+    rounds: int
     passes: int
     converged: bool
 
@@ -108,8 +111,8 @@ def estimate_test_prior(
     *,
     shrinkage: Shrinkage = "auto",
     evidence: float = 0.5,
-    tol: float = 1e-4,
-    max_passes: int = 100,
+    rounds: int = 3,
+    tol: float = 1e-7,
     match_eps: float = 0.01,
     match_max_iter: int = 100,
     prior_floor: float = 1e-30,
@@ -127,9 +130,8 @@ def estimate_test_prior(
         sums: reduced moment sums of all shards (count, first and second moments are used).
         shrinkage: of the mixture's covariance (:func:`~frolic_tta.gda.fit_gaussian_head`).
         evidence: :math:`c` of the shrinkage towards uniform; ``0`` keeps :math:`\hat\pi`.
-        tol: the mixture's EM stops when a cycle moves :math:`\hat\pi` by less than ``tol``
-            in L1 (:func:`~frolic_tta.mixture.fit_mixture`).
-        max_passes: cap on the EM passes (reported through ``converged``).
+        rounds: refits after the balanced one, where the test is imbalanced.
+        tol: of the mixture weights (:func:`~frolic_tta.mixture.mixture_weights`).
         match_eps: ``eps`` of :func:`~frolic_tta.matching.match_class_masses`.
         match_max_iter: its ``max_iter``.
         prior_floor: :math:`\hat\beta_j, \tilde\pi_j \ge` ``prior_floor`` / K.
@@ -145,44 +147,65 @@ def estimate_test_prior(
     k = prototypes.shape[0]
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
 
-    def match(target: Tensor) -> MassMatch:
-        kwargs = {"eps": match_eps, "max_iter": match_max_iter, "prior_floor": prior_floor}
-        return match_class_masses(fused, target, reduce_fn=reduce_fn, **kwargs)
+    def match(target: Tensor, start: MassMatch | None = None, cap: int = match_max_iter):
+        kwargs = {"eps": match_eps, "max_iter": cap, "prior_floor": prior_floor}
+        init = None if start is None else start.beta  # warm start from the last round
+        return match_class_masses(fused, target, reduce_fn=reduce_fn, init=init, **kwargs)
 
-    balanced = match(uniform)
-    packed = reduce_fn(_posterior_sums(fused, balanced.log_offset, features))
-    start = replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
-    head = fit_gaussian_head(start, prototypes, "soft", shrinkage)
-    components: LogitSource = head.affine().source(features, chunk_size)
-    if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
-        for first, chunk in components.chunks():
-            buffer[first : first + chunk.shape[0]] = chunk
-        components = TensorLogits(buffer, chunk_size)
-    raw, ratio, inner, _ = mixture_weights(components, tol=1e-7, reduce_fn=reduce_fn)
-    passes = balanced.evaluations + 1 + inner + (buffer is not None)
+    def weights(bias: MassMatch, init: Tensor | None) -> tuple[Tensor, float, int, bool]:
+        """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
+        packed = reduce_fn(_posterior_sums(fused, bias.log_offset, features))
+        refit = replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
+        head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
+        components: LogitSource = head.affine().source(features, chunk_size)
+        if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
+            for first, chunk in components.chunks():
+                buffer[first : first + chunk.shape[0]] = chunk
+            components = TensorLogits(buffer, chunk_size)
+        raw, ratio, inner, done = mixture_weights(components, init, tol=tol, reduce_fn=reduce_fn)
+        return raw, ratio, 1 + inner + (buffer is not None), done
+
+    # the balanced matching is the refit's starting posterior: a short cap (an imbalanced test
+    # set keeps it from converging, and only its posterior is used), finished below if final
+    bias = match(uniform, cap=min(match_max_iter, START_PASSES))
+    try:
+        raw, ratio, passes, converged = weights(bias, None)
+    except (ValueError, torch.linalg.LinAlgError) as error:  # identical on every shard
+        warnings.warn(
+            f"the test prior cannot be estimated on these features ({error}); the test set is "
+            "treated as balanced",
+            UserWarning,
+            stacklevel=3,
+        )
+        bias = bias if bias.converged else match(uniform, bias)
+        return TestPrior(uniform, uniform, 0.0, 0.0, bias, 0, bias.evaluations, True)
+    passes += bias.evaluations
     weight = shrink_weight(ratio, k, evidence)
-    if weight == 0.0:  # no evidence of imbalance: the balanced solution, nothing more to do
-        return TestPrior(uniform, raw, 0.0, ratio, balanced, passes, True)
-    # the EM starts from the balanced posterior's components at the weights found for them
-    scale = (raw * start.count / start.soft_count.clamp(min=torch.finfo(torch.float64).tiny))
-    start = replace(start, soft_count=raw * start.count, soft_sum=start.soft_sum * scale[:, None])
-    fitted, em_passes, converged = fit_mixture(
-        features,
-        prototypes,
-        start,
-        shrinkage=shrinkage,
-        tol=tol,
-        max_passes=max_passes,
-        prior_floor=prior_floor,
-        reduce_fn=reduce_fn,
-        chunk_size=chunk_size,
-    )
-    raw = fitted.soft_count / fitted.count
-    prior = (uniform + weight * (raw - uniform)).clamp(min=prior_floor / k)
-    prior = prior / prior.sum()
-    bias = match(prior)
-    passes += em_passes + bias.evaluations
-    return TestPrior(prior, raw, weight, ratio, bias, passes, converged)
+    if weight == 0.0:  # no evidence of imbalance: the balanced solution
+        if not bias.converged:
+            bias = match(uniform, bias)
+            passes += bias.evaluations
+        return TestPrior(uniform, raw, 0.0, ratio, bias, 0, passes, converged)
+    for _ in range(rounds):
+        bias = match(_shrunk(raw, weight, prior_floor), bias)
+        raw, ratio, inner, done = weights(bias, raw)
+        weight = shrink_weight(ratio, k, evidence)
+        passes += bias.evaluations + inner
+        converged = converged and done
+    prior = _shrunk(raw, weight, prior_floor)
+    bias = match(prior, bias)
+    passes += bias.evaluations
+    return TestPrior(prior, raw, weight, ratio, bias, rounds, passes, converged)
+
+
+START_PASSES = 20
+"""Cap on the passes of the balanced matching that only seeds the first refit."""
+
+
+def _shrunk(raw: Tensor, weight: float, prior_floor: float) -> Tensor:
+    k = raw.shape[0]
+    prior = (1.0 / k + weight * (raw - 1.0 / k)).clamp(min=prior_floor / k)
+    return prior / prior.sum()
 
 
 def shrink_weight(ratio: float, num_classes: int, evidence: float) -> float:
@@ -210,7 +233,9 @@ class Priors:
             on its own posterior :math:`f_c/\tau_c`), bounded by ``beta_ratio_bound``.
         zero_shot_beta_undetermined: ``(K,)`` bool, its classes at the bound or not moved by
             the data.
-        converged: the test prior reached its tolerance (``True`` when it was not estimated).
+        converged: every solve of the test prior reached its tolerance (``True`` when it was
+            not estimated).
+        rounds: refits of the mixture after the balanced one (0: treated as balanced).
         passes: passes of the test-prior estimate over the logits or features.
     """
 
@@ -223,6 +248,7 @@ class Priors:
     zero_shot_beta: Tensor
     zero_shot_beta_undetermined: Tensor
     converged: bool = True
+    rounds: int = 0
     passes: int = 0
 
     def summary(self, digits: int = 6) -> dict[str, object]:
@@ -254,6 +280,7 @@ class Priors:
                     f"{float(self.test_prior.max() / self.test_prior.min()):.{digits}g}"
                 ),
                 "converged": self.converged,
+                "rounds": self.rounds,
                 "passes": self.passes,
             },
             "beta": spread(self.beta, self.beta_undetermined),

@@ -33,17 +33,13 @@ samples seen and warns.
 precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is created after the
 precision plugin has converted the module, and finalize runs with autocast disabled.
 
-**Attributes after predict** (reset when the next predict starts): ``head``
-(:class:`~frolic_tta.FrolicHead`), ``priors_`` (:class:`~frolic_tta.prior.Priors`: the
-estimated test prior and the label biases, with their undetermined classes), ``metrics_``
-(labels: :data:`~frolic_tta.metrics.ROW_METRICS` of every Table 3/4 row, ``tau_g``),
-``class_accuracy_`` (row -> ``(K,)``), ``class_probability_`` (``"before"``/``"after"``:
-per-class mean predicted probability of :math:`f_f` and :math:`f_d`, Fig. 1c/d),
-``samples_`` (counts, all ranks), ``skipped_`` (this rank's), ``adapted_``, ...
+**Attributes after predict** (reset when the next predict starts): ``head``, ``priors_``
+(:class:`~frolic_tta.prior.Priors`), ``metrics_`` (with labels), ``class_accuracy_``,
+``class_probability_`` (Fig. 1c/d), ``samples_``, ``skipped_``, ``finalize_`` (seconds and
+passes per phase, :mod:`.progress`), ``adapted_``.
 
-**Re-use.** ``module(images)`` gives the adapted head's logits :math:`f_d`. With ``head_file`` (a
-run's ``head.pt`` or a checkpoint), or ``reuse_head=True`` after a predict, ``predict`` scores
-with the stored head in one phase (no re-adaptation). Checkpoints: :mod:`.checkpoint`.
+**Re-use.** ``module(images)`` gives :math:`f_d`; with ``head_file`` or ``reuse_head=True``,
+``predict`` scores with the stored head (no re-adaptation). Checkpoints: :mod:`.checkpoint`.
 """
 
 from __future__ import annotations
@@ -74,6 +70,7 @@ from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.lightning import checkpoint as ckpt
 from frolic_tta.lightning import samples
+from frolic_tta.lightning.progress import FinalizeProgress
 from frolic_tta.metrics import FrolicMoments, evaluate_rows
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
@@ -169,6 +166,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self.skipped_: list[dict[str, Any]] = []
         self.adapted_ = False
         self.partial_ = False
+        self.finalize_: dict[str, dict[str, Any]] = {}
 
     def _reset_epoch(self) -> None:
         self._features: list[Tensor] = []
@@ -332,17 +330,20 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self.partial_, used = bool(counts["partial"]), counts["used"]
         features = torch.cat(self._features)
         hp = self.hparams
+        progress = FinalizeProgress(self.trainer, self._reduce, used, self._prototypes.shape[0])
         fit = fit_frolic(
             features,
             self._prototypes,
             self.options,
             tau_c=self.tau_c,
             sums=sums,
-            reduce_fn=self._reduce,
+            reduce_fn=progress.reduce,
             keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
             chunk_size=hp.chunk_size,
+            progress=progress,
         )
         self.head, self.priors_ = fit.head, fit.priors
+        self.finalize_ = progress.finish(fit.head.tau_g, fit.priors)
         offset = self.head.log_offset().to(device=features.device, dtype=torch.float32)
         probability = torch.zeros(2, offset.shape[0], dtype=torch.float64)
         start = 0
@@ -381,7 +382,9 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self.metrics_, self.class_accuracy_ = evaluate_rows(  # synced over the process group
             rows, self.head, features, labels, num_labelled=total, chunk_size=hp.chunk_size
         )
-        self.metrics_.update(tau_g=self.head.tau_g, test_prior_weight=self.priors_.shift_weight)
+        prior, tau_g = self.priors_, self.head.tau_g
+        self.metrics_.update(tau_g=tau_g, test_prior_weight=prior.shift_weight)
+        self.metrics_.update(test_prior_passes=prior.passes, test_prior_converged=prior.converged)
         if self.trainer.logger is not None:
             self.trainer.logger.log_metrics(self.metrics_, step=0)
 

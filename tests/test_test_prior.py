@@ -1,0 +1,160 @@
+"""The test prior (issue 15): converged or flagged, identical over shards, chunks, threads and
+real DDP processes on a long-tailed set, no harm where samples per class are few, finite on
+degenerate inputs."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+import frolic_tta
+from frolic_tta import accuracy
+from frolic_tta.logits import TensorLogits
+from frolic_tta.mixture import mixture_weights
+from frolic_tta.synthetic import clip_like_world
+from tests.sharding import run_sharded
+from tests.worlds import long_tailed_world, uneven_bounds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quiet_fit(x, z, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return frolic_tta.fit_frolic(x, z, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return long_tailed_world()
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    x, z, _ = world
+    return quiet_fit(x, z)
+
+
+def agree(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Predictions >= 99.9 % identical and logits equal to 1e-5 of their scale."""
+    same = float((a.argmax(1) == b.argmax(1)).double().mean())
+    assert same >= 0.999
+    scale = float(a.abs().max())
+    assert float((a - b).abs().max()) <= 1e-5 * scale
+
+
+def test_mixture_weights_match_a_float64_reference_and_recover_known_weights():
+    g = torch.Generator().manual_seed(0)
+    truth = torch.tensor([0.6, 0.25, 0.1, 0.05], dtype=torch.float64)
+    labels = torch.multinomial(truth, 5000, replacement=True, generator=g)
+    centres = torch.tensor([-3.0, -1.0, 1.0, 3.0], dtype=torch.float64)
+    x = centres[labels] + torch.randn(5000, generator=g, dtype=torch.float64)
+    loglik = -0.5 * (x[:, None] - centres[None, :]) ** 2  # exact component log-likelihoods
+    pi, ratio, passes, converged = mixture_weights(TensorLogits(loglik.float(), 1000), tol=1e-10)
+    assert converged and passes < 500
+    reference = torch.full((4,), 0.25, dtype=torch.float64)
+    for _ in range(2000):  # plain EM in float64, independent of the solver
+        reference = torch.softmax(loglik + reference.log(), 1).mean(0)
+    assert float((pi - reference).abs().max()) < 1e-5
+    frequencies = torch.bincount(labels, minlength=4).double() / 5000
+    assert float((pi - frequencies).abs().sum()) < 0.08
+    at_uniform = torch.logsumexp(loglik, 1).sum() - 5000 * math.log(4)
+    expected = 2 * float(torch.logsumexp(loglik + reference.log(), 1).sum() - at_uniform)
+    assert ratio == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_default_converges_and_says_so(world, reference):
+    x, z, y = world
+    priors = reference.priors
+    assert priors.converged and priors.rounds == 3 and priors.shift_weight > 0.5
+    summary = priors.summary()["test_prior"]
+    assert summary["converged"] is True and summary["passes"] == priors.passes > 0
+    truth = torch.bincount(y, minlength=z.shape[0]).double() / len(y)
+    uniform = torch.full_like(truth, 1 / len(truth))
+    assert float((priors.test_prior - truth).abs().sum()) < 0.5 * float(
+        (uniform - truth).abs().sum()
+    )
+
+
+def test_a_solve_stopped_at_its_cap_warns_and_is_flagged(world, monkeypatch):
+    x, z, _ = world
+    import frolic_tta.prior as prior
+
+    monkeypatch.setattr(prior, "mixture_weights", partial(mixture_weights, max_passes=2))
+    with pytest.warns(UserWarning, match="did not reach prior_tol=1e-07 within their cap"):
+        fit = frolic_tta.fit_frolic(x, z)
+    assert fit.priors.converged is False
+    assert fit.priors.summary()["test_prior"]["converged"] is False
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_uneven_shards_give_the_single_process_result(world, reference, parts):
+    x, z, _ = world
+    shards = [x[lo:hi] for lo, hi in uneven_bounds(x.shape[0], parts)]
+    fits = run_sharded(lambda shard, reduce_fn: quiet_fit(shard, z, reduce_fn=reduce_fn), shards)
+    agree(reference.logits, torch.cat([f.logits for f in fits]))
+    assert fits[0].priors.shift_weight == pytest.approx(reference.priors.shift_weight, abs=1e-6)
+
+
+def test_chunk_size_threads_and_no_logit_buffer_do_not_change_the_result(world, reference):
+    x, z, _ = world
+    agree(reference.logits, quiet_fit(x, z, chunk_size=97).logits)
+    streamed = quiet_fit(x, z, keep_logits=False, chunk_size=500)
+    agree(reference.logits, streamed.head.score(x))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        agree(reference.logits, quiet_fit(x, z).logits)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_real_ddp_processes_give_the_single_process_result(reference, tmp_path, processes):
+    out = tmp_path / "ddp.pt"
+    script = str(ROOT / "tests" / "ddp_fit.py")
+    subprocess.run([sys.executable, script, str(processes), str(out)], check=True, timeout=300)
+    result = torch.load(out, weights_only=False)
+    agree(reference.logits, result["logits"])
+    assert result["priors"].converged
+    assert result["priors"].shift_weight == pytest.approx(reference.priors.shift_weight, abs=1e-6)
+
+
+def test_few_samples_per_class_with_natural_counts_do_no_harm():
+    # K = 50, d = 128, 30 samples per class drawn i.i.d. from a uniform prior, zero-shot 0.93
+    # and 0.98: a transductive classifier should match the test set's own counts, not force
+    # them to N/K (the balanced loop costs 1.3 and 0.4 points here)
+    for seed in (0, 1):
+        world = clip_like_world(
+            1500, 50, 128, noise=0.08, tilt=0.1, text_bias=0.02, seed=seed, sample=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = frolic_tta.frolic(world.features, world.prototypes)
+        rows = {k: accuracy(v, world.labels) for k, v in result.ablations().items()}
+        assert rows["f_c"] >= 0.9  # a confident, nearly separable world
+        assert rows["f_d"] >= max(rows["f_c"], rows["f_f"]) - 0.005
+        assert rows["f_d"] > rows["f_d balanced"]
+        assert result.priors.shift_weight > 0
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "d", "distinct"),
+    [(2, 10, 1, 1), (2, 10, 1, 2), (60, 30, 1, 2), (60, 30, 8, 2), (60, 10, 8, 3), (5, 30, 2, 1)],
+)
+def test_degenerate_inputs_give_finite_logits(n, k, d, distinct):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(distinct, d, generator=g)[torch.arange(n) % distinct]
+    z = torch.randn(k, d, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = frolic_tta.frolic(x, z, normalize=True)
+    assert bool(torch.isfinite(result.logits).all())
+    assert 0.0 <= result.priors.shift_weight <= 1.0
