@@ -26,7 +26,7 @@ from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
-from frolic_tta.inmap import inmap_proxies
+from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
@@ -41,6 +41,7 @@ from frolic_tta.prior import (
     Priors,
     estimate_test_prior,
 )
+from frolic_tta.released import released_proxies
 from frolic_tta.rows import RowContext, build_rows
 from frolic_tta.validation import (
     check_matrix,
@@ -132,7 +133,7 @@ def fit_frolic(
     reduce_fn = reduce_fn or identity_reduce
     check_samples_everywhere(features, reduce_fn)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
-        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, **inmap_kwargs(options)}
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
         sums = None  # the soft sums depend on the prototypes: recomputed below (one pass)
     if sums is None:
@@ -152,6 +153,11 @@ def fit_frolic(
             chunk_size=chunk_size,
         )
     gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
+    if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        prototypes, gaussian = released_proxies(
+            features, prototypes, gaussian, tau_c, options, **kwargs
+        )
     z = prototypes.to(torch.float64)
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
     head = FrolicHead(z, gaussian, tau_c, 1.0, uniform)
@@ -165,7 +171,10 @@ def fit_frolic(
         for start, chunk in gda.chunks():
             buffer[start : start + chunk.shape[0]] = chunk
         gda = TensorLogits(buffer, chunk_size)
-    head.tau_g = match_temperature(gda, zero_shot, tau_c, reduce_fn=reduce_fn)
+    if options.fusion == "fixed":  # the released script's equal scales
+        head.tau_g = tau_c
+    else:
+        head.tau_g = match_temperature(gda, zero_shot, tau_c, reduce_fn=reduce_fn)
     if buffer is not None:
         for start, chunk in zero_shot.chunks():
             rows = buffer[start : start + chunk.shape[0]]

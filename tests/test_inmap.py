@@ -132,7 +132,8 @@ def test_an_empty_shard_takes_part_in_every_reduction(world):
 
 
 def test_bad_options_and_arguments_say_what_was_expected(world):
-    with pytest.raises(ValueError, match=r"Expected `zero_shot` to be one of \('text', 'inmap'\)"):
+    message = r"Expected `zero_shot` to be one of \('text', 'inmap', 'inmap_both'\)"
+    with pytest.raises(ValueError, match=message):
         FrolicOptions(zero_shot="clip")
     x, z = world.features, world.prototypes
     with pytest.raises(ValueError, match="Expected `iterations` to be an int >= 0, but got -1"):

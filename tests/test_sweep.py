@@ -193,7 +193,7 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == (
         "error: options 'p': Expected `bias` to be one of ('soft', 'paper', 'implicit', "
-        "'none'), but got 'nope'\n"
+        "'none', 'released'), but got 'nope'\n"
     )
     unknown = write_config(tmp_path / "unknown.yaml", output_dir="x", modles={})
     assert main(["--config", str(unknown)]) == 2
