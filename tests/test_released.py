@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import frolic_tta
+from frolic_tta.logits import TensorLogits
 from frolic_tta.options import FrolicOptions, released_options
 from frolic_tta.released import released_label_bias
-from frolic_tta.logits import TensorLogits
 from frolic_tta.synthetic import clip_like_world, shifted_prior
 from tests.sharding import run_sharded
 
