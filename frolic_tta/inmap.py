@@ -104,6 +104,7 @@ def pseudo_labels_sums(
     sinkhorn_iterations: int = 20,
     gamma: float = 0.0,
     labels_from: AffineMap | None = None,
+    target: Tensor | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:
@@ -113,6 +114,8 @@ def pseudo_labels_sums(
     ``gamma``: InMaP's exponent of the target column masses, :math:`(\sum_i
     \mathrm{softmax}_i)^\gamma` normalised (0: equal masses). ``labels_from``: the classifier
     whose logits, divided by ``text_temperature``, give the labels (default :math:`Zx`).
+    ``target``: ``(K,)`` class masses to balance the labels to (e.g. an estimated test prior),
+    instead of ``gamma``'s.
     """
     reduce_fn = reduce_fn or identity_reduce
     chunks = _chunks(features, chunk_rows(prototypes.shape[0], chunk_size))
@@ -126,6 +129,8 @@ def pseudo_labels_sums(
     center = None if center is None else center.to(device=device, dtype=dtype)
     log_scale = torch.zeros(z.shape[0], dtype=torch.float64, device=device)
     log_target = torch.zeros_like(log_scale)
+    if target is not None:  # class masses to balance to (a test prior), instead of gamma's
+        log_target = torch.log(target.to(log_scale).clamp_min(torch.finfo(torch.float64).tiny))
 
     def labels(block: Tensor) -> Tensor:
         block = block if center is None else block - center
@@ -136,7 +141,7 @@ def pseudo_labels_sums(
         for block in chunks:
             column += labels(block).sum(0).to(column)
         column = reduce_fn(column).clamp_min(torch.finfo(torch.float64).tiny)
-        if step == 0 and gamma > 0:  # q = (masses of the first softmax)^gamma, normalised
+        if step == 0 and gamma > 0 and target is None:  # q = (first softmax masses)^gamma
             log_target = gamma * torch.log(column)
             log_target = log_target - torch.logsumexp(log_target, 0)
         log_scale = log_scale + log_target - torch.log(column)
@@ -212,6 +217,7 @@ def fit_proxies(
     sinkhorn_iterations: int = 20,
     gamma: float = 0.0,
     labels_from: AffineMap | None = None,
+    target: Tensor | None = None,
     tolerance: float | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
@@ -230,6 +236,7 @@ def fit_proxies(
         gamma: exponent of the labels' target class masses (InMaP: 0, equal masses).
         labels_from: classifier whose logits / ``text_temperature`` give the labels
             (default: the prototypes, :math:`Zx`).
+        target: ``(K,)`` class masses of the labels (replaces ``gamma``), or ``None``.
         tolerance: stop once no proxy moves more than this in one step (``None``: run all
             ``iterations``, as InMaP).
         reduce_fn: sums a tensor over shards (identity by default).
@@ -263,6 +270,7 @@ def fit_proxies(
         sinkhorn_iterations=sinkhorn_iterations,
         gamma=gamma,
         labels_from=labels_from,
+        target=target,
         reduce_fn=reduce_fn,
         chunk_size=chunk_size,
     )

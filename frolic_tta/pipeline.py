@@ -134,6 +134,9 @@ def fit_frolic(
     check_samples_everywhere(features, reduce_fn)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, **inmap_kwargs(options)}
+        if options.test_prior == "em" and options.inmap_gamma == 0:  # labels to pi-tilde
+            text = (features, prototypes, tau_c, sums, options, reduce_fn, chunk_size)
+            kwargs["target"] = text_test_prior(*text)
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
         sums = None  # the soft sums depend on the prototypes: recomputed below (one pass)
     if sums is None:
@@ -210,6 +213,35 @@ def fit_frolic(
         zero_shot_beta_undetermined=zero_shot_bias.undetermined,
     )
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
+
+
+def text_test_prior(
+    features: Tensor,
+    prototypes: Tensor,
+    tau_c: float,
+    sums: MomentSums | None,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+) -> Tensor:
+    r"""The test prior :math:`\tilde\pi` estimated with the text prototypes (EM, as in
+    :func:`fit_frolic`), floored: the class masses InMaP's pseudo-labels are balanced to with
+    ``zero_shot="inmap"`` and ``test_prior="em"`` (InMaP itself balances to equal masses,
+    which under label shift costs its proxies, and Frolic after them, several points)."""
+    if sums is None:
+        sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
+    em = estimate_test_prior(
+        features,
+        prototypes,
+        sums,
+        shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
+        iterations=options.em_iterations,
+        evidence=options.shift_evidence,
+        prior_floor=options.prior_floor,
+        reduce_fn=reduce_fn,
+        chunk_size=chunk_size,
+    )
+    return floored(em.prior, options.prior_floor)
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
