@@ -127,8 +127,9 @@ class FrolicOptions:
         fusion: ``"matched"`` (default; :math:`\tau_g` by Eq. 11) or ``"fixed"``
             (:math:`\tau_g = \tau_c`, the released script's equal scales).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
-            balances the class masses, 1 keeps those of the zero-shot softmax (the released
-            script's call).
+            balances the class masses (to the text EM test prior with ``test_prior="em"``,
+            ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
+            softmax (the released script's call).
         inmap_tolerance: stop the proxies' gradient steps once no proxy moves more than this
             in one step (at most 2,000 steps); ``None``: InMaP's fixed 2,000 steps.
 
