@@ -39,6 +39,7 @@ from frolic_tta.logits import (
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
+    TestPrior,
     estimate_test_prior,
 )
 from frolic_tta.released import released_proxies
@@ -144,17 +145,7 @@ def fit_frolic(
     k = prototypes.shape[0]
     em = None
     if options.test_prior == "em":
-        em = estimate_test_prior(
-            features,
-            prototypes,
-            sums,
-            shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
-            iterations=options.em_iterations,
-            evidence=options.shift_evidence,
-            prior_floor=options.prior_floor,
-            reduce_fn=reduce_fn,
-            chunk_size=chunk_size,
-        )
+        em = mixture_prior(features, prototypes, sums, options, reduce_fn, chunk_size)
     gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
@@ -230,7 +221,20 @@ def text_test_prior(
     which under label shift costs its proxies, and Frolic after them, several points)."""
     if sums is None:
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
-    em = estimate_test_prior(
+    em = mixture_prior(features, prototypes, sums, options, reduce_fn, chunk_size)
+    return floored(em.prior, options.prior_floor)
+
+
+def mixture_prior(
+    features: Tensor,
+    prototypes: Tensor,
+    sums: MomentSums,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+) -> TestPrior:
+    """:func:`~frolic_tta.prior.estimate_test_prior` with the fields of ``options``."""
+    return estimate_test_prior(
         features,
         prototypes,
         sums,
@@ -241,7 +245,6 @@ def text_test_prior(
         reduce_fn=reduce_fn,
         chunk_size=chunk_size,
     )
-    return floored(em.prior, options.prior_floor)
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
