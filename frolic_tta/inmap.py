@@ -158,7 +158,7 @@ def pseudo_labels_sums(
 
 @dataclass(frozen=True)
 class ProxyFit:
-    """What :func:`fit_proxies` returns.
+    r"""What :func:`fit_proxies` returns.
 
     Attributes:
         prototypes: ``(K, d)`` float64 unit proxies.

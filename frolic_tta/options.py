@@ -23,7 +23,7 @@ BiasMethod = Literal["soft", "paper", "implicit", "none", "released"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias` (``"released"``: the
 authors' script, :func:`frolic_tta.released.released_label_bias`)."""
 Fusion = Literal["matched", "fixed"]
-"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
+r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
 :math:`\tau_g = \tau_c` (the released script's equal x100 scales)."""
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced

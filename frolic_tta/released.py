@@ -47,7 +47,7 @@ from frolic_tta.logits import DEFAULT_CHUNK_SIZE, LogitSource, ReduceFn, identit
 from frolic_tta.options import FrolicOptions
 
 IDENTITY_WEIGHT = 0.9
-"""The script's ``lamda``: :math:`\\hat\\Sigma = 0.9 I + 0.1\\,\\mathrm{diag}(v)`."""
+r"""The script's ``lamda``: :math:`\hat\Sigma = 0.9 I + 0.1\,\mathrm{diag}(v)`."""
 PROBABILITY_FLOOR = 1e-12
 """Added to each round's stationary vector before the logarithm (the script's ``1e-12``)."""
 POWER_STEPS = 100
