@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from frolic_tta.calibration import confidence, match_temperature
 from frolic_tta.debias import estimate_label_bias
+from frolic_tta.functional import FrolicResult, frolic
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.logits import AffineMap, LinearLogits, LogitSource, TensorLogits
-from frolic_tta.options import FrolicOptions, paper_options
-from frolic_tta.pipeline import FrolicFit, FrolicResult, fit_frolic, frolic
+from frolic_tta.options import FrolicOptions, paper_options, released_options
+from frolic_tta.pipeline import FrolicFit, fit_frolic
 from frolic_tta.rows import ROWS, accuracy, tde_logits
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ __all__ = [
     "match_temperature",
     "moment_sums",
     "paper_options",
+    "released_options",
     "tde_logits",
 ]
 __version__ = "0.1.0"

@@ -26,6 +26,8 @@ Methods (``method=``):
   Where the paper divides 0 by 0 (a class nobody is assigned to) its column is uniform.
 * ``"implicit"`` -- :math:`\beta = \frac1N\sum_i s(x_i)` (Eq. 15 on test data; Table 4).
 * ``"none"`` -- uniform :math:`\beta` (no debiasing).
+* ``"released"`` -- the authors' script: ``max_iter`` rounds of power iteration on
+  margin-filtered hard labels (:func:`frolic_tta.released.released_label_bias`).
 
 With ``labels`` (the paper's *Oracle*) the class masses are matched to the true label
 frequencies: the cross-entropy-optimal prior of the debiased logits (GLA's supervised
@@ -47,6 +49,7 @@ from torch import Tensor
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 from frolic_tta.matching import MassMatch, match_class_masses
 from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
+from frolic_tta.released import released_label_bias
 
 
 def _floor(beta: Tensor, prior_floor: float) -> Tensor:
@@ -209,6 +212,9 @@ def fit_label_bias(
         return _uniform_result(uniform, target, True, 0)
     if method == "implicit":
         return _uniform_result(_floor(_implicit(source, reduce_fn), prior_floor), target, True, 1)
+    if method == "released":  # the authors' script: its own floor, no stopping test
+        beta = released_label_bias(source, rounds=max_iter, eps=eps, reduce_fn=reduce_fn)
+        return _uniform_result(beta, target, True, max_iter)
     if method == "soft":
         result = match_class_masses(
             source,

@@ -199,7 +199,8 @@ def shared_covariance(
     Args:
         sums: reduced :class:`MomentSums` of the whole dataset.
         prototypes: ``(K, d)``.
-        covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7).
+        covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7); ``"released"`` is
+            :func:`frolic_tta.released.released_gaussian` (:func:`fit_gaussian_head` only).
         shrinkage: ``"auto"`` (OAS only if the scatter is numerically rank-deficient),
             ``"oas"``, a float in [0, 1], or ``None`` (``"soft"`` only).
 
@@ -281,6 +282,10 @@ def fit_gaussian_head(
         ValueError: if the covariance is singular (``"paper"``) or not positive definite
             (``"soft"`` with ``shrinkage=None``).
     """
+    if covariance == "released":  # the authors' script; that module imports this one
+        from frolic_tta.released import released_gaussian
+
+        return released_gaussian(sums, prototypes)
     sigma, means, weights, rho = shared_covariance(sums, prototypes, covariance, shrinkage)
     center = sums.feature_sum / sums.count
     centred = (means - center[None, :]).t()

@@ -7,7 +7,8 @@ authors' code (``github.com/idstcv/InMaP``, ``main.py``, its ImageNet defaults):
 
 1. **Pseudo-labels** (``sinkhorn``): :math:`q_i = \mathrm{softmax}(Zx_i/\tau_t)` balanced over
    classes by ``sinkhorn_iterations`` = 20 Sinkhorn steps (equal class marginals, their
-   ``gamma = 0``). Each step only rescales the columns, so the labels are
+   ``gamma = 0``; ``gamma = 1`` keeps the first softmax's class masses). Each step only
+   rescales the columns, so the labels are
    :math:`q_i = \mathrm{softmax}(Zx_i/\tau_t + \ln v)` with a column scaling :math:`v`
    ``(K,)`` updated as :math:`v_j \leftarrow v_j / \sum_i q_{ij}`: the dataset-wide sum is
    reduced, nothing ``(N, K)`` is stored. Rows whose largest label exceeds ``threshold``
@@ -34,15 +35,28 @@ passes, about :math:`4\,\text{iterations}\,NKd` flops (:math:`2\times10^{14}` at
 size, N = 50,000, K = 1,000, d = 512), about an hour on 2 CPU cores (1.7 s per step, measured
 by ``benchmarks/inmap.py``; not measured on a GPU); memory one ``(chunk, K)`` block.
 
+**Convergence test** (``tolerance``, ours): the step is halved whenever :math:`\|G\|_F` grows,
+and :math:`\|G\|_F` cannot reach 0 (its radial part is removed by the normalisation), so the
+steps shrink geometrically and the proxies stop moving long before 2,000 steps (about 60-100 on
+the CLIP-like worlds, then :math:`< 10^{-12}` per step). With ``tolerance`` the loop stops once
+the largest move of a proxy in one step, :math:`\max_j\|w_j^{t} - w_j^{t-1}\|_2`, is below it
+(a reduced float64 value: every shard stops together); ``iterations`` stays the cap.
+
+**Released Frolic** (``zero_shot="inmap_both"``, :mod:`frolic_tta.released`) calls the same
+two functions with ``gamma=1`` (the column masses of the first softmax are kept: the Sinkhorn
+steps change nothing but rounding) and with the Gaussian head's logits as the labels'
+source (``labels_from``), still starting the proxies from :math:`Z`.
+
 Deviations from the reference code: float64 proxies and reduced sums (each shard's gradient
 is accumulated in the features' dtype, float32 for CLIP features, like the reference's float32
 product), the labels' column scaling kept in log space and floored at the smallest float64 (a
-class no image prefers would give NaN there), ``gamma > 0`` not implemented.
+class no image prefers would give NaN there).
 Shapes: N samples, K classes, d embedding dim.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -50,12 +64,13 @@ from torch import Tensor
 
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
+    AffineMap,
     ReduceFn,
     chunk_rows,
     compute_dtype,
     identity_reduce,
 )
-from frolic_tta.options import check_positive
+from frolic_tta.options import FrolicOptions, check_positive
 from frolic_tta.validation import check_matrix
 
 PROXY_TEMPERATURE = 0.04
@@ -87,28 +102,49 @@ def pseudo_labels_sums(
     text_temperature: float = 0.01,
     threshold: float = 0.6,
     sinkhorn_iterations: int = 20,
+    gamma: float = 0.0,
+    labels_from: AffineMap | None = None,
+    target: Tensor | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:
     r""":math:`\sum_i q_i x_i^\top` ``(K, d)`` float64 over all shards: InMaP's balanced,
     thresholded pseudo-labels :math:`q_i` (step 1 of the module docstring) times the features.
+
+    ``gamma``: InMaP's exponent of the target column masses, :math:`(\sum_i
+    \mathrm{softmax}_i)^\gamma` normalised (0: equal masses). ``labels_from``: the classifier
+    whose logits, divided by ``text_temperature``, give the labels (default :math:`Zx`).
+    ``target``: ``(K,)`` class masses to balance the labels to (e.g. an estimated test prior),
+    instead of ``gamma``'s.
     """
     reduce_fn = reduce_fn or identity_reduce
     chunks = _chunks(features, chunk_rows(prototypes.shape[0], chunk_size))
     z = prototypes.to(torch.float64)
-    log_scale = torch.zeros(z.shape[0], dtype=torch.float64, device=features.device)
-
-    weight = (z / text_temperature).to(device=features.device, dtype=compute_dtype(features)).t()
+    if labels_from is None:
+        labels_from = AffineMap(z, torch.zeros(z.shape[0], dtype=torch.float64))
+    dtype, device = compute_dtype(features), features.device
+    weight = (labels_from.weight / text_temperature).to(device=device, dtype=dtype).t()
+    bias = labels_from.bias.to(device=device, dtype=torch.float64) / text_temperature
+    center = labels_from.center
+    center = None if center is None else center.to(device=device, dtype=dtype)
+    log_scale = torch.zeros(z.shape[0], dtype=torch.float64, device=device)
+    log_target = torch.zeros_like(log_scale)
+    if target is not None:  # class masses to balance to (a test prior), instead of gamma's
+        log_target = torch.log(target.to(log_scale).clamp_min(torch.finfo(torch.float64).tiny))
 
     def labels(block: Tensor) -> Tensor:
-        return torch.softmax(torch.addmm(log_scale.to(block), block, weight), dim=1)
+        block = block if center is None else block - center
+        return torch.softmax(torch.addmm((bias + log_scale).to(block), block, weight), dim=1)
 
-    for _ in range(sinkhorn_iterations):
+    for step in range(sinkhorn_iterations):
         column = torch.zeros_like(log_scale)
         for block in chunks:
             column += labels(block).sum(0).to(column)
         column = reduce_fn(column).clamp_min(torch.finfo(torch.float64).tiny)
-        log_scale = log_scale - torch.log(column)
+        if step == 0 and gamma > 0 and target is None:  # q = (first softmax masses)^gamma
+            log_target = gamma * torch.log(column)
+            log_target = log_target - torch.logsumexp(log_target, 0)
+        log_scale = log_scale + log_target - torch.log(column)
     total = torch.zeros(z.shape, dtype=torch.float64, device=features.device)
     for block in chunks:
         q = labels(block)
@@ -120,7 +156,56 @@ def pseudo_labels_sums(
     return reduce_fn(total)
 
 
+@dataclass(frozen=True)
+class ProxyFit:
+    r"""What :func:`fit_proxies` returns.
+
+    Attributes:
+        prototypes: ``(K, d)`` float64 unit proxies.
+        temperature: :math:`\tau_i`.
+        steps: gradient steps taken.
+        passes: passes over the features (Sinkhorn, labels, one per step).
+        converged: stopped by ``tolerance`` (``False`` with ``tolerance=None``).
+    """
+
+    prototypes: Tensor
+    temperature: float
+    steps: int
+    passes: int
+    converged: bool
+
+    def classifier(self) -> ProxyClassifier:
+        """The proxies as a :class:`ProxyClassifier`."""
+        return ProxyClassifier(self.prototypes, self.temperature)
+
+
+def inmap_kwargs(options: FrolicOptions) -> dict[str, float | None]:
+    """The :func:`fit_proxies` arguments that ``options`` set (``gamma``, ``tolerance``)."""
+    return {"gamma": options.inmap_gamma, "tolerance": options.inmap_tolerance}
+
+
 def inmap_proxies(
+    features: Tensor,
+    prototypes: Tensor,
+    text_temperature: float = 0.01,
+    **kwargs: object,
+) -> ProxyClassifier:
+    r"""InMaP's proxies from the local shard ``features`` ``(N_local, d)`` and the text
+    ``prototypes`` ``(K, d)`` (identical on every shard): :func:`fit_proxies` (same arguments)
+    without its diagnostics.
+
+    Example::
+
+        >>> from frolic_tta.synthetic import clip_world
+        >>> world = clip_world(num_samples=400, num_classes=5, dim=16)
+        >>> proxies, tau = inmap_proxies(world.features, world.prototypes, iterations=50)
+        >>> proxies.shape, tau
+        (torch.Size([5, 16]), 0.04)
+    """
+    return fit_proxies(features, prototypes, text_temperature, **kwargs).classifier()
+
+
+def fit_proxies(
     features: Tensor,
     prototypes: Tensor,
     text_temperature: float = 0.01,
@@ -130,11 +215,14 @@ def inmap_proxies(
     learning_rate: float = 10.0,
     iterations: int = 2000,
     sinkhorn_iterations: int = 20,
+    gamma: float = 0.0,
+    labels_from: AffineMap | None = None,
+    target: Tensor | None = None,
+    tolerance: float | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> ProxyClassifier:
-    r"""InMaP's proxies from the local shard ``features`` ``(N_local, d)`` and the text
-    ``prototypes`` ``(K, d)`` (identical on every shard); see the module docstring.
+) -> ProxyFit:
+    r"""InMaP's proxies (see the module docstring) with the steps and passes they took.
 
     Args:
         features: local image features (unit rows for CLIP).
@@ -143,21 +231,19 @@ def inmap_proxies(
         temperature: :math:`\tau_i` of the proxies (InMaP: 0.04).
         threshold: pseudo-labels above it become one-hot (InMaP: 0.6).
         learning_rate: initial step :math:`\eta` (InMaP: 10).
-        iterations: gradient steps (InMaP: 2000).
+        iterations: gradient steps, or their cap with ``tolerance`` (InMaP: 2000).
         sinkhorn_iterations: balancing steps of the pseudo-labels (InMaP: 20).
+        gamma: exponent of the labels' target class masses (InMaP: 0, equal masses).
+        labels_from: classifier whose logits / ``text_temperature`` give the labels
+            (default: the prototypes, :math:`Zx`).
+        target: ``(K,)`` class masses of the labels (replaces ``gamma``), or ``None``.
+        tolerance: stop once no proxy moves more than this in one step (``None``: run all
+            ``iterations``, as InMaP).
         reduce_fn: sums a tensor over shards (identity by default).
         chunk_size: rows per chunk (``None``: about 2M logits per chunk).
 
     Returns:
-        :class:`ProxyClassifier`: ``(K, d)`` float64 unit proxies and ``temperature``.
-
-    Example::
-
-        >>> from frolic_tta.synthetic import clip_world
-        >>> world = clip_world(num_samples=400, num_classes=5, dim=16)
-        >>> proxies, tau = inmap_proxies(world.features, world.prototypes, iterations=50)
-        >>> proxies.shape, tau
-        (torch.Size([5, 16]), 0.04)
+        :class:`ProxyFit`.
     """
     check_matrix("prototypes", prototypes, min_rows=2)
     check_matrix("features", features, min_rows=0, cols=prototypes.shape[1])
@@ -168,6 +254,9 @@ def inmap_proxies(
         ("threshold", threshold),
     ):
         check_positive(name, value)
+    check_positive("gamma", gamma, allow_zero=True)
+    if tolerance is not None:
+        check_positive("tolerance", tolerance)
     for name, value in (("iterations", iterations), ("sinkhorn_iterations", sinkhorn_iterations)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"Expected `{name}` to be an int >= 0, but got {value!r}")
@@ -179,6 +268,9 @@ def inmap_proxies(
         text_temperature=text_temperature,
         threshold=threshold,
         sinkhorn_iterations=sinkhorn_iterations,
+        gamma=gamma,
+        labels_from=labels_from,
+        target=target,
         reduce_fn=reduce_fn,
         chunk_size=chunk_size,
     )
@@ -187,7 +279,8 @@ def inmap_proxies(
     proxies = proxies / proxies.norm(dim=1, keepdim=True)
     step, previous = float(learning_rate), float("inf")
     dtype = compute_dtype(features)
-    for _ in range(iterations):
+    steps, converged = 0, False
+    while steps < iterations and not converged:
         weight = (proxies / temperature).to(dtype).t().contiguous()
         local = torch.zeros(proxies.shape, dtype=dtype, device=features.device)
         for block in chunks:  # sum_i softmax(W x_i / tau_i) x_i^T, accumulated in place
@@ -197,6 +290,10 @@ def inmap_proxies(
         if norm > previous:
             step /= 2.0
         previous = norm
-        proxies = proxies - (step / (float(count) * temperature)) * gradient
-        proxies = proxies / proxies.norm(dim=1, keepdim=True)
-    return ProxyClassifier(proxies, float(temperature))
+        moved = proxies - (step / (float(count) * temperature)) * gradient
+        moved = moved / moved.norm(dim=1, keepdim=True)
+        if tolerance is not None:
+            converged = float((moved - proxies).norm(dim=1).max()) < tolerance
+        proxies, steps = moved, steps + 1
+    passes = sinkhorn_iterations + 1 + steps
+    return ProxyFit(proxies, float(temperature), steps, passes, converged)

@@ -15,16 +15,23 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
-Covariance = Literal["soft", "paper"]
-"""``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7."""
-BiasMethod = Literal["soft", "paper", "implicit", "none"]
-"""Label-bias estimators of :func:`frolic_tta.estimate_label_bias`."""
+Covariance = Literal["soft", "paper", "released"]
+r"""``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7;
+``"released"``: the authors' script, :math:`0.9I + 0.1\,\mathrm{diag}` with the prototypes as
+means (:mod:`frolic_tta.released`)."""
+BiasMethod = Literal["soft", "paper", "implicit", "none", "released"]
+"""Label-bias estimators of :func:`frolic_tta.estimate_label_bias` (``"released"``: the
+authors' script, :func:`frolic_tta.released.released_label_bias`)."""
+Fusion = Literal["matched", "fixed"]
+r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
+:math:`\tau_g = \tau_c` (the released script's equal x100 scales)."""
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
 test set, the paper's assumption (Proposition 2)."""
-ZeroShot = Literal["text", "inmap"]
+ZeroShot = Literal["text", "inmap", "inmap_both"]
 """``"text"``: the text prototypes; ``"inmap"``: InMaP's image-space proxies
-(:mod:`frolic_tta.inmap`)."""
+(:mod:`frolic_tta.inmap`); ``"inmap_both"``: proxies for both :math:`f_c` and :math:`f_g`, the
+released script (:mod:`frolic_tta.released`)."""
 ShrinkageMode = Literal["auto", "oas"]
 Shrinkage = float | ShrinkageMode | None
 """``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
@@ -34,6 +41,7 @@ BIAS_METHODS: tuple[str, ...] = get_args(BiasMethod)
 SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
 TEST_PRIORS: tuple[str, ...] = get_args(TestPriorMethod)
 ZERO_SHOTS: tuple[str, ...] = get_args(ZeroShot)
+FUSIONS: tuple[str, ...] = get_args(Fusion)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -88,12 +96,13 @@ class FrolicOptions:
     r"""Choices of the Frolic estimator (defaults: the numerically sound variants).
 
     Args:
-        covariance: ``"soft"`` (default; positive semi-definite on unit-norm features) or
-            ``"paper"`` (Eq. 7 literally).
+        covariance: ``"soft"`` (default; positive semi-definite on unit-norm features),
+            ``"paper"`` (Eq. 7 literally) or ``"released"`` (the authors' script).
         shrinkage: for ``"soft"``: ``"auto"`` (OAS only when the scatter is rank-deficient),
             ``"oas"``, a float in [0, 1], or ``None``.
         bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
-            written), ``"implicit"`` (Eq. 15 on test data) or ``"none"``.
+            written), ``"implicit"`` (Eq. 15 on test data), ``"none"`` or ``"released"``
+            (the authors' script: ``max_iter`` rounds, power iteration to ``eps``).
         test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; the weights of
             the Gaussian mixture refitted under the debiased fused posterior,
             :mod:`frolic_tta.prior`; the head :math:`f_g` itself stays the zero-shot-weighted
@@ -116,7 +125,17 @@ class FrolicOptions:
         zero_shot: the zero-shot classifier :math:`f_c`: ``"text"`` (default; the text
             prototypes at :math:`\tau_c`) or ``"inmap"`` (InMaP's proxies learned on the test
             images, at their temperature 0.04: Tables 1-2's "InMaP + Frolic"; 2,022 extra
-            passes over the features, see :mod:`frolic_tta.inmap`).
+            passes over the features, see :mod:`frolic_tta.inmap`), or ``"inmap_both"``:
+            InMaP proxies for :math:`f_c` (labels from the text) and for :math:`f_g` (labels
+            from the Gaussian head), at :math:`\tau_c` each: the released script.
+        fusion: ``"matched"`` (default; :math:`\tau_g` by Eq. 11) or ``"fixed"``
+            (:math:`\tau_g = \tau_c`, the released script's equal scales).
+        inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
+            balances the class masses (to the text EM test prior with ``test_prior="em"``,
+            ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
+            softmax (the released script's call).
+        inmap_tolerance: stop the proxies' gradient steps once no proxy moves more than this
+            in one step (at most 2,000 steps); ``None``: InMaP's fixed 2,000 steps.
 
     Example::
 
@@ -140,14 +159,17 @@ class FrolicOptions:
     max_iter: int = 100
     prior_floor: float = 1e-30
     zero_shot: ZeroShot = "text"
+    fusion: Fusion = "matched"
+    inmap_gamma: float = 0.0
+    inmap_tolerance: float | None = 1e-6
 
     def __post_init__(self) -> None:
         check_choice("covariance", self.covariance, COVARIANCES)
         check_shrinkage(self.shrinkage)
-        if self.covariance == "paper" and self.shrinkage not in ("auto", None):
+        if self.covariance != "soft" and self.shrinkage not in ("auto", None):
             raise ValueError(
-                "Expected `shrinkage` 'auto' or None with covariance='paper' (Eq. 7 is used as "
-                f"it is), but got {self.shrinkage!r}"
+                f"Expected `shrinkage` 'auto' or None with covariance={self.covariance!r} (it "
+                f"is used as it is), but got {self.shrinkage!r}"
             )
         check_choice("bias", self.bias, BIAS_METHODS)
         check_choice("test_prior", self.test_prior, TEST_PRIORS)
@@ -166,6 +188,10 @@ class FrolicOptions:
         if floor >= 1.0:
             raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
         check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
+        check_choice("fusion", self.fusion, FUSIONS)
+        check_positive("inmap_gamma", self.inmap_gamma, allow_zero=True)
+        if self.inmap_tolerance is not None:
+            check_positive("inmap_tolerance", self.inmap_tolerance)
 
 
 def paper_options(**overrides: Any) -> FrolicOptions:
@@ -178,6 +204,31 @@ def paper_options(**overrides: Any) -> FrolicOptions:
         "beta_ratio_bound": None,
     }
     return FrolicOptions(**{**paper, **overrides})
+
+
+def released_options(**overrides: Any) -> FrolicOptions:
+    r"""The authors' released method (``main_zeroshot.py`` of github.com/zhuhsingyuu/Frolic,
+    :mod:`frolic_tta.released`), the one behind the paper's tables (``overrides`` on top).
+
+    A Gaussian head with the prototypes as means and :math:`0.9I + 0.1\,\mathrm{diag}` as
+    covariance; two InMaP classifiers, supervised by the text and by that head (labels at
+    InMaP's ``gamma=1``, all 2,000 steps), fused at equal fixed scales :math:`1/\tau_c`
+    (x100 for CLIP); the label bias by 11 rounds of power iteration on hard labels. A
+    balanced test set, no bound on :math:`\beta`.
+    """
+    released = {
+        "covariance": "released",
+        "zero_shot": "inmap_both",
+        "fusion": "fixed",
+        "inmap_gamma": 1.0,
+        "inmap_tolerance": None,
+        "bias": "released",
+        "eps": 1e-3,
+        "max_iter": 11,
+        "test_prior": "uniform",
+        "beta_ratio_bound": None,
+    }
+    return FrolicOptions(**{**released, **overrides})
 
 
 def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> FrolicOptions:

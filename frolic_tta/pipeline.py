@@ -8,12 +8,13 @@ r"""The Frolic pipeline (paper Algorithm 1).
 one reduction, the :math:`\tau_g` search and the :math:`\beta` loop reduce sums at every step,
 and every rank takes the same steps. It keeps at most one ``(N_local, K)`` buffer, which becomes
 the final logits (``keep_logits=True``), or none (logits recomputed chunk by chunk).
-:func:`frolic` runs it on a feature matrix and returns every logit of the pipeline.
+:func:`frolic_tta.frolic` (:mod:`frolic_tta.functional`) runs it on a feature matrix.
 Shapes: N samples, K classes, d embedding dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import fit_label_bias, warn_about_match
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
-from frolic_tta.inmap import inmap_proxies
+from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
@@ -44,13 +45,10 @@ from frolic_tta.prior import (
     Priors,
     estimate_test_prior,
 )
-from frolic_tta.rows import RowContext, build_rows
+from frolic_tta.released import released_proxies
 from frolic_tta.validation import (
     check_matrix,
     check_prototypes,
-    check_unit_rows,
-    non_unit_rows,
-    validate_inputs,
 )
 
 
@@ -139,7 +137,10 @@ def fit_frolic(
     reduce_fn = reduce_fn or identity_reduce
     check_samples_everywhere(features, reduce_fn)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
-        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, **inmap_kwargs(options)}
+        if options.test_prior == "em" and options.inmap_gamma == 0:  # labels to pi-tilde
+            text = (features, prototypes, tau_c, sums, options, reduce_fn, chunk_size)
+            kwargs["target"] = text_test_prior(*text)
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
         sums = None  # the soft sums depend on the prototypes: recomputed below (one pass)
     if sums is None:
@@ -147,6 +148,11 @@ def fit_frolic(
     k = prototypes.shape[0]
     report = progress or _silent
     gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
+    if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        prototypes, gaussian = released_proxies(
+            features, prototypes, gaussian, tau_c, options, **kwargs
+        )
     z = prototypes.to(torch.float64)
     scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))  # f_c / tau_c
     zero_shot = scaled.source(features, chunk_size)
@@ -158,7 +164,10 @@ def fit_frolic(
         _fill(scratch, zero_shot)
         gda, zero_shot = TensorLogits(buffer, chunk_size), TensorLogits(scratch, chunk_size)
     report("temperature")
-    tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
+    if options.fusion == "fixed":  # the released script's equal scales
+        tau_g = tau_c
+    else:
+        tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
     head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
     if buffer is not None:
@@ -248,6 +257,25 @@ def _fill(buffer: Tensor, source: LogitSource) -> None:
         buffer[start : start + chunk.shape[0]] = chunk
 
 
+def text_test_prior(
+    features: Tensor,
+    prototypes: Tensor,
+    tau_c: float,
+    sums: MomentSums | None,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+) -> Tensor:
+    r"""The test prior :math:`\tilde\pi` of Frolic on the text prototypes (``options`` with
+    ``zero_shot="text"``), floored: the class masses InMaP's pseudo-labels are balanced to with
+    ``zero_shot="inmap"`` and ``test_prior="em"`` (InMaP itself balances to equal masses,
+    which under label shift costs its proxies, and Frolic after them, several points)."""
+    text = dataclasses.replace(options, zero_shot="text")
+    kwargs = {"sums": sums, "reduce_fn": reduce_fn, "chunk_size": chunk_size}
+    fit = fit_frolic(features, prototypes, text, tau_c=tau_c, **kwargs)
+    return floored(fit.priors.test_prior, options.prior_floor)
+
+
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
     """``prior`` with every entry at least ``prior_floor`` / K, renormalised (float64)."""
     prior = prior.to(torch.float64).cpu().clamp(min=prior_floor / prior.shape[0])
@@ -273,126 +301,3 @@ def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
     if total < 2:
         where = "" if reduce_fn is identity_reduce else " over all shards"
         raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
-
-
-@dataclass
-class FrolicResult:
-    r"""What :func:`frolic` returns. Logit tensors are ``(N, K)``.
-
-    Attributes:
-        logits: final :math:`f_d` (Eq. 13).
-        zero_shot_logits: :math:`f_c = x^\top z` (Eq. 2, unscaled).
-        gda_logits: :math:`f_g` (Eq. 9, up to a per-sample constant; see :mod:`frolic_tta.gda`).
-        fused_logits: :math:`f_f` (Eq. 12).
-        tau_g: Eq. 11.
-        beta: ``(K,)`` positive, sums to 1.
-        head: the adapted :class:`~frolic_tta.head.FrolicHead` (one affine map).
-        features: the features the result was computed on (normalised if asked).
-        sums: the moment sums of ``features``.
-        options: the options of the fit.
-        priors: the test prior :math:`\tilde\pi` and the label biases (fused and zero-shot),
-            with what the data left undetermined (:class:`~frolic_tta.prior.Priors`).
-    """
-
-    logits: Tensor
-    zero_shot_logits: Tensor
-    gda_logits: Tensor
-    fused_logits: Tensor
-    tau_g: float
-    beta: Tensor
-    head: FrolicHead
-    features: Tensor
-    sums: MomentSums
-    options: FrolicOptions
-    priors: Priors
-
-    def ablations(self, labels: Tensor | None = None) -> dict[str, Tensor]:
-        """Logits of the paper's Table 3 and Table 4 rows (:data:`frolic_tta.rows.ROWS`).
-
-        Keys: ``f_c``, ``f_c - ln beta``, ``f_g``, ``f_c + f_g``, ``f_f``, ``f_d`` (Table 3);
-        ``tde``, ``implicit`` (Table 4); ``oracle`` when ``labels`` ``(N,)`` are given.
-        Each value is ``(N, K)`` logits; ``accuracy(logits, labels)`` scores them.
-        """
-        ctx = RowContext(self.head, self.sums, self.features, self.options, labels=labels)
-        return {key: row.logits(self.features) for key, row in build_rows(ctx).items()}
-
-
-@torch.no_grad()
-def frolic(
-    features: Tensor,
-    prototypes: Tensor,
-    options: FrolicOptions | None = None,
-    *,
-    tau_c: float = 0.01,
-    normalize: bool | None = None,
-    reduce_fn: ReduceFn | None = None,
-    **overrides: Any,
-) -> FrolicResult:
-    r"""Frolic on a feature matrix (Algorithm 1): every logit of the pipeline.
-
-    Args:
-        features: ``(N, d)`` image features (this shard's, with ``reduce_fn``).
-        prototypes: ``(K, d)`` text prototypes :math:`z_j`.
-        options: :class:`~frolic_tta.options.FrolicOptions` (default: the defaults); keyword
-            ``overrides`` of its fields (``covariance="paper"``, ``bias="paper"``, ``eps``, ...)
-            are applied on top.
-        tau_c: zero-shot temperature; the default 0.01 is OpenAI CLIP's learned
-            :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
-            own (``frolic_tta.clip.model_temperature(model)``).
-        normalize: ``None`` (default): require unit-norm rows (CLIP embeddings after L2
-            normalisation) and raise otherwise; ``True``: L2-normalise features and prototypes
-            first; ``False``: use them as they are (e.g. the paper's Gaussian model).
-        reduce_fn: sums a tensor over shards; ``features`` is then the local shard.
-
-    Returns:
-        :class:`FrolicResult`. It runs under ``torch.no_grad()``: no output requires grad.
-
-    Raises:
-        TypeError: ``tau_c`` is not a real number, ``normalize`` not a bool or ``None``.
-        ValueError: bad shapes or values (:func:`~frolic_tta.validation.validate_inputs`),
-            ``tau_c`` not finite and > 0, fewer than 2 samples (over all shards), or
-            non-unit rows with ``normalize=None``.
-
-    Example::
-
-        >>> import torch, frolic_tta
-        >>> g = torch.Generator().manual_seed(0)
-        >>> z = torch.randn(3, 8, generator=g)
-        >>> x = z[torch.arange(60) % 3] + 0.5 * torch.randn(60, 8, generator=g)
-        >>> res = frolic_tta.frolic(x, z, normalize=False)  # the paper's model: no unit norm
-        >>> res.logits.shape, round(float(res.beta.sum()), 6)
-        (torch.Size([60, 3]), 1.0)
-    """
-    options = resolve_options(options, **overrides)
-    tau_c = check_positive("tau_c", tau_c)
-    if normalize is not None and not isinstance(normalize, bool):
-        raise TypeError(f"Expected `normalize` to be True, False or None, but got {normalize!r}")
-    # a shard may be empty; N >= 2 over all shards is checked by fit_frolic (one reduction)
-    validate_inputs(features, prototypes, normalize=normalize, min_rows=0 if reduce_fn else 1)
-    if features.shape[0] < 2 and reduce_fn is None:
-        raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
-    if normalize is None:
-        count = torch.tensor([float(non_unit_rows(features))], dtype=torch.float64)
-        count = count if reduce_fn is None else reduce_fn(count)  # every shard raises together
-        check_unit_rows("features", features, count=int(count[0]))
-        check_unit_rows("prototypes", prototypes)  # identical on every shard
-    if normalize:
-        features, prototypes = l2_normalize(features), l2_normalize(prototypes)
-    fit = fit_frolic(
-        features, prototypes, options, tau_c=tau_c, reduce_fn=reduce_fn, keep_logits=True
-    )
-    head = fit.head
-    fused = fit.logits - head.log_offset().to(fit.logits)
-    return FrolicResult(
-        logits=fit.logits,
-        zero_shot_logits=head.zero_shot().logits(features),
-        gda_logits=head.gaussian.affine().logits(features),
-        fused_logits=fused,
-        tau_g=head.tau_g,
-        beta=head.beta,
-        head=head,
-        features=features,
-        sums=fit.sums,
-        options=options,
-        priors=fit.priors,
-    )

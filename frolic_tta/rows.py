@@ -12,7 +12,8 @@ benchmarks all iterate :data:`ROWS`; adding a row here adds it everywhere.
 Probabilities (for calibration: ECE, NLL): :math:`f_c` and TDE are stored unscaled
 (:math:`x^\top z`) and become logits divided by :math:`\tau_c`, :math:`f_g` divided by its
 matched :math:`\tau_g`; the other rows are logits already (:math:`f_c - \ln\beta` is
-:math:`f_c/\tau_c - \ln\beta`; :math:`f_f`, :math:`f_d`, implicit and Oracle are on the scale
+:math:`f_c/\tau_c - \ln\beta`; ``inmap`` is the proxies over their temperature;
+:math:`f_f`, :math:`f_d`, implicit and Oracle are on the scale
 of Eq. 12; :math:`f_c + f_g` is the plain sum of the scores, the paper's uncalibrated fusion).
 See :attr:`Row.temperature`.
 Shapes: N samples, K classes, d embedding dim.
@@ -30,6 +31,7 @@ from torch import Tensor
 from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums
 from frolic_tta.head import FrolicHead
+from frolic_tta.inmap import fit_proxies
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap, ReduceFn, identity_reduce
 from frolic_tta.options import FrolicOptions
 
@@ -146,6 +148,26 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
     return scaled.shift(ctx.offset(scaled, method=ctx.options.bias))
 
 
+def _inmap(ctx: RowContext) -> AffineMap:
+    """InMaP alone: the proxies of the fit (``zero_shot`` "inmap" / "inmap_both"), else InMaP's
+    own proxies learned now from the text prototypes (:func:`~frolic_tta.inmap.fit_proxies`,
+    ``inmap_tolerance`` of the options), at their temperature."""
+    head = ctx.head
+    if ctx.options.zero_shot != "text":
+        proxies, temperature = head.prototypes.to(torch.float64), head.tau_c
+    else:
+        fit = fit_proxies(
+            ctx.features,
+            head.prototypes,
+            head.tau_c,
+            tolerance=ctx.options.inmap_tolerance,
+            reduce_fn=ctx.reduce_fn,
+            chunk_size=ctx.chunk_size,
+        )
+        proxies, temperature = fit.prototypes, fit.temperature
+    return AffineMap(proxies / temperature, _zeros(ctx))
+
+
 def _gda(ctx: RowContext) -> AffineMap:
     return ctx.head.gaussian.affine()
 
@@ -180,6 +202,7 @@ def _zeros(ctx: RowContext) -> Tensor:
 
 _ROWS = (
     Row("f_c", "zero-shot CLIP", "3", lambda ctx: ctx.head.zero_shot(), temperature="tau_c"),
+    Row("inmap", "InMaP alone (its image proxies)", "extra", _inmap),
     Row("f_c - ln beta", "zero-shot, debiased", "3", _debiased_zero_shot),
     Row("f_g", "Gaussian head (GDA)", "3", _gda, temperature="tau_g"),
     Row("f_c + f_g", "sum, uncalibrated", "3", _sum),
@@ -204,7 +227,8 @@ _ROWS = (
     ),
 )
 ROWS: dict[str, Row] = {row.key: row for row in _ROWS}
-"""Every row, in table order: Table 3 ``f_c`` ... ``f_d``, Table 4 ``tde``, ``implicit``,
+"""Every row, in table order: Table 3 ``f_c`` ... ``f_d`` with ``inmap`` (InMaP alone, the
+InMaP column of Tables 1-2, beside the zero-shot row), Table 4 ``tde``, ``implicit``,
 ``oracle`` (labels: the class masses matched to the true label frequencies), and
 ``f_d balanced`` (the paper's balanced-test assumption, next to the estimated test prior)."""
 

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 import frolic_tta
 from frolic_tta import FrolicOptions
-from frolic_tta.inmap import inmap_proxies
-from frolic_tta.synthetic import clip_world
+from frolic_tta.inmap import fit_proxies, inmap_proxies
+from frolic_tta.logits import identity_reduce
+from frolic_tta.pipeline import text_test_prior
+from frolic_tta.synthetic import clip_like_world, clip_world, shifted_prior
 from tests.sharding import run_sharded
 
 SPLIT = 1337  # uneven shards: 1337 vs 663 rows
@@ -70,7 +72,9 @@ def test_proxies_beat_the_text_prototypes_and_frolic_adds_to_them(world):
     text = accuracy(world.features, world.prototypes, world.labels)
     inmap = accuracy(world.features, proxies, world.labels)
     assert inmap > text + 0.1  # measured: 0.30 -> 0.47
-    result = frolic_tta.frolic(world.features, world.prototypes, zero_shot="inmap")
+    # InMaP's own proxies: equal class masses (a balanced test prior), all 2,000 steps
+    options = FrolicOptions(zero_shot="inmap", test_prior="uniform", inmap_tolerance=None)
+    result = frolic_tta.frolic(world.features, world.prototypes, options)
     torch.testing.assert_close(result.head.prototypes, proxies, rtol=0, atol=1e-6)
     assert result.head.tau_c == 0.04
     rows = {k: frolic_tta.accuracy(v, world.labels) for k, v in result.ablations().items()}
@@ -132,7 +136,8 @@ def test_an_empty_shard_takes_part_in_every_reduction(world):
 
 
 def test_bad_options_and_arguments_say_what_was_expected(world):
-    with pytest.raises(ValueError, match=r"Expected `zero_shot` to be one of \('text', 'inmap'\)"):
+    message = r"Expected `zero_shot` to be one of \('text', 'inmap', 'inmap_both'\)"
+    with pytest.raises(ValueError, match=message):
         FrolicOptions(zero_shot="clip")
     x, z = world.features, world.prototypes
     with pytest.raises(ValueError, match="Expected `iterations` to be an int >= 0, but got -1"):
@@ -160,3 +165,15 @@ def test_command_line_runs_frolic_on_inmap(tiny_clip, image_folder, tmp_path, ca
     with pytest.raises(SystemExit) as exit_info:
         main(tiny_args(tiny_clip, image_folder, tmp_path, "--model.options.zero_shot", "clip"))
     assert exit_info.value.code == 2
+
+
+def test_with_the_em_prior_the_labels_are_balanced_to_it():
+    prior = shifted_prior("long-tailed:10", 6, seed=2)
+    world = clip_like_world(600, 6, 16, seed=2, test_prior=prior)
+    x, z = world.features, world.prototypes
+    fit = frolic_tta.fit_frolic(x, z, zero_shot="inmap")
+    pi = text_test_prior(x, z, 0.01, None, FrolicOptions(), identity_reduce, None)
+    expected = fit_proxies(x, z, target=pi, tolerance=FrolicOptions().inmap_tolerance)
+    torch.testing.assert_close(fit.head.prototypes, expected.prototypes, rtol=0, atol=1e-9)
+    assert float(pi.max() / pi.min()) > 3  # the estimate is imbalanced: the labels follow it
+    # the accuracy gain is measured on the label-shift worlds (benchmarks/peers.py), not here

@@ -193,7 +193,7 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == (
         "error: options 'p': Expected `bias` to be one of ('soft', 'paper', 'implicit', "
-        "'none'), but got 'nope'\n"
+        "'none', 'released'), but got 'nope'\n"
     )
     unknown = write_config(tmp_path / "unknown.yaml", output_dir="x", modles={})
     assert main(["--config", str(unknown)]) == 2
@@ -212,16 +212,20 @@ def test_shipped_sweeps_plan_the_paper_grid(name, capsys):
     table_datasets = {c for t in paper_results()["tables"].values() for c in t["columns"]}
     datasets = {r.dataset for r in runs}
     assert datasets == {c for c in table_datasets if not c.startswith("avg_")}  # all 16
-    assert len(runs) == len(datasets) * 2 * 2 and sum(r.encodes for r in runs) == len(datasets)
+    assert len(runs) == len(datasets) * 2 * 3 and sum(r.encodes for r in runs) == len(datasets)
     assert {r.backbone for r in runs} == {"ViT-B/16" if "b16" in name else "ViT-L/14"}
     parser = ParseOnly(args=["--config", str(ROOT / "configs" / "eurosat_vit_b16.yaml")],
                        run=False).parser  # fmt: skip
-    for run in runs[:4] + [r for r in runs if r.encodes]:  # every config file, every option set
+    released = [r for r in runs if r.options == "released"][:1]
+    for run in runs[:4] + [r for r in runs if r.encodes] + released:  # every config, option set
         config = parser.parse_args(run.args[1:])
         assert config.data.init_args.feature_store == str(run.store)
         assert config.output_dir == str(run.run_dir)
         if run.prompts == "templates":
             assert config.model.prompts_file is None
+        if run.options == "released":
+            assert config.model.options.zero_shot == "inmap_both"
+            assert config.model.options.inmap_tolerance is None
     assert main(["--config", str(path), "--dry_run"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("# 1.") and len(printed) == 2 + len(runs)

@@ -313,8 +313,14 @@ def _notes(
             f"partial run: the Trainer stopped after some batches (limit_predict_batches / "
             f"fast_dev_run); adapted on and predicted {n} of {length} samples"
         )
-    if getattr(getattr(module, "options", None), "zero_shot", "text") == "inmap":
+    zero_shot = getattr(getattr(module, "options", None), "zero_shot", "text")
+    if zero_shot == "inmap":
         notes.append("zero-shot classifier: InMaP's proxies (f_c is InMaP, f_d InMaP + Frolic)")
+    if zero_shot == "inmap_both":
+        notes.append(
+            "the released script: f_c and f_g are InMaP proxies supervised by the text and by "
+            "the Gaussian head"
+        )
     if not getattr(module, "adapted_", True):
         notes.append("scored with a stored head (head_file / reuse_head): no adaptation")
     if skipped:
