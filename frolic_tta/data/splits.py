@@ -121,7 +121,7 @@ def find_standard_split(
     tried = ", ".join(f"'{d}'" for d in candidates)
     raise DatasetNotFoundError(
         f"split file '{split_file}' lists '{first}', which is in none of {tried}; put the "
-        f"images there (see README) or pass --data.split_file and --data.image_dir"
+        f"images there (see docs/cli.md) or pass --data.split_file and --data.image_dir"
     )
 
 
