@@ -24,6 +24,7 @@ from frolic_tta.data import DATASETS, STANDARD_SPLITS, canonical_dataset_name
 from frolic_tta.lightning.cli import FrolicCLI, main
 from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
+from tests.noise import assert_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -115,11 +116,11 @@ def ddp_then_single(tiny_clip, image_folder, tmp_path_factory):
     shutil.copytree(out, out.parent / "ddp_copy")
     one = run_train(tiny_args(tiny_clip, image_folder, out, "--trainer.devices", "1"))
     assert one.returncode == 0, one.stderr[-3000:]
-    return ddp, read_report(out), one.stdout
+    return ddp, read_report(out), one.stdout, two.stderr
 
 
 def test_report_files(ddp_then_single, tiny_clip, image_folder):
-    _, single, stdout = ddp_then_single
+    _, single, stdout, _ = ddp_then_single
     metrics, rows, logits = single["metrics"], single["rows"], single["logits"]
     assert metrics["num_samples"] == N and metrics["num_classes"] == 3
     assert metrics["labelled"] and metrics["dataset"] == "folder"
@@ -170,8 +171,14 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
     assert head.tau_g == pytest.approx(metrics["tau_g"])
 
 
+def test_a_successful_ddp_run_is_quiet(ddp_then_single):
+    """No Lightning tips, no library deprecation notices, no escape codes or carriage returns,
+    and each of our warnings once (by rank 0, not once per rank), attributed to our code."""
+    assert_quiet(ddp_then_single[3])
+
+
 def test_one_and_two_devices_agree(ddp_then_single):
-    ddp, single, _ = ddp_then_single
+    ddp, single, _, _ = ddp_then_single
     assert ddp["metrics"]["world_size"] == 2 and single["metrics"]["world_size"] == 1
     assert [r["index"] for r in ddp["rows"]] == [str(i) for i in range(N)]
     assert torch.equal(ddp["logits"]["prediction"], single["logits"]["prediction"])

@@ -19,10 +19,13 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
@@ -34,10 +37,16 @@ from frolic_tta.data.datamodules import check_samples_per_rank
 from frolic_tta.errors import FrolicInputError
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
 from frolic_tta.lightning.module import FrolicModule
+from frolic_tta.lightning.progress import LineProgressBar
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
 
-__all__ = ["FrolicCLI", "FrolicCLIError", "main"]
+__all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
+
+LIBRARIES = (
+    r"(lightning|lightning_utilities|torch|torchvision|torchmetrics|open_clip|timm|jsonargparse)"
+)
+"""The libraries whose own deprecation notices a run does not show (a user cannot act on them)."""
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
@@ -205,6 +214,21 @@ class FrolicCLI(LightningCLI):
                 raise FrolicCLIError(str(error)) from error
 
     @override
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The configured Trainer; when stdout is not a terminal (a log file), with
+        :class:`~frolic_tta.lightning.progress.LineProgressBar` instead of tqdm's bar."""
+        config = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if (
+            not sys.stdout.isatty()
+            and config.get("enable_progress_bar", True) is not False
+            and not any(isinstance(callback, ProgressBar) for callback in callbacks)
+        ):  # not saved in config.yaml: the run's configuration is the same at a terminal
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [LineProgressBar()]}
+        return super().instantiate_trainer(**kwargs)
+
+    @override
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -215,6 +239,24 @@ class FrolicCLI(LightningCLI):
             raise
 
 
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising tips (litlogger, litmodels) from its info log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_libraries() -> None:
+    """What a successful run should not print: Lightning's tips and the libraries' own
+    deprecation notices (``FutureWarning`` / ``DeprecationWarning`` raised in their code)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTips) for f in logger.filters):
+            logger.addFilter(_NoTips())
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=LIBRARIES + r"(\.|$)")
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
@@ -223,6 +265,7 @@ def main(args: ArgsType = None) -> None:
     images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
     stderr (by rank 0) and exits with status 2, without a traceback.
     """
+    quiet_libraries()
     try:
         FrolicCLI(args=args)
     except (FrolicCLIError, FrolicInputError) as error:
