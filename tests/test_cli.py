@@ -433,3 +433,32 @@ def test_head_file_scores_new_images_without_adapting(tiny_clip, image_folder, t
     assert "--model.head_file outputs/<run>/head.pt" in err
     err = one_error_line(tiny_args(tiny_clip, image_folder, tmp_path, "--ckpt_path", head), capsys)
     assert "is not one; to score with the head.pt of a run pass it as --model.head_file" in err
+
+
+def test_a_logger_alone_writes_under_the_outputs_and_config_yaml_stays_there(
+    tiny_clip, image_folder, tmp_path, one_thread
+):
+    out = tmp_path / "out"
+    main(tiny_args(tiny_clip, image_folder, out, "--trainer.logger", "CSVLogger"))
+    assert (out / "config.yaml").is_file() and (out / "metrics.json").is_file()
+    assert list(out.glob("lightning_logs/version_*/metrics.csv"))  # the logger's save_dir
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["trainer"]["logger"]["init_args"]["save_dir"] == str(out)
+
+
+def test_logger_save_dir_comes_from_output_dir_or_the_config(tmp_path):
+    from frolic_tta.lightning.cli import with_logger_save_dir
+
+    argv = ["predict", "--trainer.logger", "CSVLogger", "--output_dir", "o"]
+    assert with_logger_save_dir(argv)[1:5] == [
+        "--trainer.logger", "CSVLogger", "--trainer.logger.save_dir", "o"
+    ]  # fmt: skip
+    config = tmp_path / "c.yaml"
+    config.write_text("output_dir: from_config\n")
+    argv = ["predict", "--config", str(config), "--trainer.logger=TensorBoardLogger"]
+    assert with_logger_save_dir(argv)[-2:] == ["--trainer.logger.save_dir", "from_config"]
+    for same in (
+        ["predict", "--trainer.logger", "false"],
+        ["predict", "--trainer.logger", "CSVLogger", "--trainer.logger.save_dir", "x"],
+    ):
+        assert with_logger_save_dir(same) == same  # fmt: skip
