@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     cache = (args.cache_dir or default_cache_dir()) / "digits_clip"
     print(
         "Frolic demo (offline; a demo, not a benchmark). A tiny open_clip ViT is pre-trained\n"
-        f"here on scikit-learn's digits, the most frequent digit {IMBALANCE:g}x as common as the\n"
-        "rarest, so its zero-shot predictions carry a label bias. Frolic then adapts it, without\n"
-        "labels, to 300 held-out digits (30 per class) in trainer.predict.",
+        f"here on scikit-learn's digits, the most frequent digit {IMBALANCE:g}x as common as the "
+        "rarest, so\nits zero-shot predictions carry a label bias. Frolic then adapts it, without "
+        "labels,\nto 300 held-out digits (30 per class) in trainer.predict.",
         flush=True,
     )
     cached = (cache_entry(cache, args.seed, IMBALANCE, args.steps) / "model.pt").is_file()
