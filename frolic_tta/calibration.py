@@ -26,11 +26,11 @@ reduced values, so every shard stops at the same step.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
 
+from frolic_tta.errors import warn
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 from frolic_tta.options import check_positive
 
@@ -183,11 +183,9 @@ def match_temperature(
                 return math.exp(u)
             break
         u = candidate
-    warnings.warn(
+    warn(
         f"match_temperature did not reach |conf(f_g) - conf(f_c)| <= {tol}; "
         f"best error {best_err:.3g} at tau_g={math.exp(best_u):.4g}",
-        UserWarning,
-        stacklevel=2,
     )
     return math.exp(best_u)
 

@@ -19,11 +19,20 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import (
+    ArgsType,
+    LightningArgumentParser,
+    LightningCLI,
+    SaveConfigCallback,
+)
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
@@ -34,10 +43,16 @@ from frolic_tta.data.datamodules import check_samples_per_rank
 from frolic_tta.errors import FrolicInputError
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
 from frolic_tta.lightning.module import FrolicModule
+from frolic_tta.lightning.progress import LineProgressBar
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
 
-__all__ = ["FrolicCLI", "FrolicCLIError", "main"]
+__all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
+
+LIBRARIES = (
+    r"(lightning|lightning_utilities|torch|torchvision|torchmetrics|open_clip|timm|jsonargparse)"
+)
+"""The libraries whose own deprecation notices a run does not show (a user cannot act on them)."""
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
@@ -86,6 +101,22 @@ def root_cause(error: BaseException) -> BaseException:
         error = inner
 
 
+class OutputDirConfig(SaveConfigCallback):
+    """Lightning's ``config.yaml`` writer that also writes it to ``--output_dir`` when a logger
+    moves Lightning's copy into the logger's folder (``--trainer.logger CSVLogger``)."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        first = not self.already_saved
+        log_dir = trainer.log_dir  # a broadcast: every rank calls it
+        super().setup(trainer, pl_module, stage)
+        output_dir = Path(trainer.default_root_dir)
+        if first and trainer.is_global_zero and Path(log_dir or output_dir) != output_dir:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(output_dir / self.config_filename),
+                             skip_none=False, overwrite=True, multifile=self.multifile)  # fmt: skip
+
+
 class FrolicCLI(LightningCLI):
     """LightningCLI for Frolic: ``predict`` only, report callback and output folder built in.
 
@@ -101,6 +132,7 @@ class FrolicCLI(LightningCLI):
             "model_class": FrolicModule,
             "datamodule_class": L.LightningDataModule,
             "subclass_mode_data": True,
+            "save_config_callback": OutputDirConfig,
             "save_config_kwargs": {"overwrite": True},
             "trainer_defaults": {"logger": False},
             "seed_everything_default": False,
@@ -138,6 +170,14 @@ class FrolicCLI(LightningCLI):
         if class_names is None and getattr(self, "_head_class_names", None):
             return list(self._head_class_names)
         return require_class_names(class_names)
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse, giving a logger named on the command line without a ``save_dir`` the run's
+        ``--output_dir`` (``--trainer.logger CSVLogger`` alone writes under the outputs)."""
+        if args is None or isinstance(args, list):
+            args = with_logger_save_dir(list(sys.argv[1:] if args is None else args))
+        super().parse_arguments(parser, args)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -205,6 +245,21 @@ class FrolicCLI(LightningCLI):
                 raise FrolicCLIError(str(error)) from error
 
     @override
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The configured Trainer; when stdout is not a terminal (a log file), with
+        :class:`~frolic_tta.lightning.progress.LineProgressBar` instead of tqdm's bar."""
+        config = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if (
+            not sys.stdout.isatty()
+            and config.get("enable_progress_bar", True) is not False
+            and not any(isinstance(callback, ProgressBar) for callback in callbacks)
+        ):  # not saved in config.yaml: the run's configuration is the same at a terminal
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [LineProgressBar()]}
+        return super().instantiate_trainer(**kwargs)
+
+    @override
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -215,6 +270,58 @@ class FrolicCLI(LightningCLI):
             raise
 
 
+def _option(argv: list[str], name: str) -> tuple[int, str] | None:
+    """``(index, value)`` of the last ``name VALUE`` or ``name=VALUE`` in ``argv``, or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = (i + 1, argv[i + 1])
+        elif arg.startswith(name + "="):
+            found = (i, arg.split("=", 1)[1])
+    return found
+
+
+def with_logger_save_dir(argv: list[str]) -> list[str]:
+    """``argv`` plus ``--trainer.logger.save_dir <output_dir>`` where ``--trainer.logger`` names
+    a logger class and no ``save_dir`` is given (the output folder: ``--output_dir``, else the
+    ``--config`` file's ``output_dir``, else ``outputs``)."""
+    logger = _option(argv, "--trainer.logger")
+    if logger is None or logger[1].lower() in ("true", "false", "null", "none", "[]"):
+        return argv
+    if any(arg.startswith("--trainer.logger.save_dir") for arg in argv) or logger[1][:1] in "{[":
+        return argv
+    output_dir = _option(argv, "--output_dir")
+    if output_dir is None and (config := _option(argv, "--config")) is not None:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(config[1]).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            loaded = {}
+        output_dir = (0, loaded.get("output_dir")) if isinstance(loaded, dict) else None
+    folder = output_dir[1] if output_dir and output_dir[1] else "outputs"
+    at = logger[0] + 1
+    return [*argv[:at], "--trainer.logger.save_dir", str(folder), *argv[at:]]
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising tips (litlogger, litmodels) from its info log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_libraries() -> None:
+    """What a successful run should not print: Lightning's tips and the libraries' own
+    deprecation notices (``FutureWarning`` / ``DeprecationWarning`` raised in their code)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTips) for f in logger.filters):
+            logger.addFilter(_NoTips())
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=LIBRARIES + r"(\.|$)")
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
@@ -223,6 +330,7 @@ def main(args: ArgsType = None) -> None:
     images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
     stderr (by rank 0) and exits with status 2, without a traceback.
     """
+    quiet_libraries()
     try:
         FrolicCLI(args=args)
     except (FrolicCLIError, FrolicInputError) as error:

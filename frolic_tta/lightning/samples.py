@@ -19,14 +19,13 @@ share is exceeded, and after the last batch on the all-reduced counts.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.errors import FrolicInputError, warn
 
 NON_FINITE = "non-finite image features (NaN or inf from the encoder, or a zero vector)"
 WARN_FIRST = 5
@@ -82,11 +81,10 @@ class SkippedSamples:
             self.records.append({"index": int(i), "reason": reason})
             if len(self.records) <= WARN_FIRST:
                 more = " (further ones are only listed in the report)"
-                warnings.warn(
+                warn(
                     f"Skipping sample {i}: {reason}; it gets no prediction"
                     + (more if len(self.records) == WARN_FIRST else ""),
-                    UserWarning,
-                    stacklevel=3,
+                    per_rank=True,
                 )
         if len(self.records) > self.allowed(self.expected):
             self.stop(len(self.records), self.seen, f"about {self.expected} on this rank")
