@@ -41,6 +41,7 @@ from typing_extensions import override
 from frolic_tta.data.indexed import dataset_paths
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
+from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
 from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.prior import Priors
@@ -147,6 +148,7 @@ class FrolicReport(FrolicPredictionWriter):
                 "frolic_head": _cpu(head.state_dict()),
                 "classifier": _cpu(module.adapted_classifier().state_dict()),
                 "class_names": names,
+                PROVENANCE: getattr(module, "provenance", lambda: None)(),
             },
             out / "head.pt",
         )

@@ -44,6 +44,45 @@ def check_fraction(value: float, name: str = "max_skipped_fraction") -> float:
     return float(value)
 
 
+def check_sizes(text_batch_size: Any, chunk_size: Any, class_names: list[str] | None) -> None:
+    """``text_batch_size`` an int >= 1, ``chunk_size`` ``None`` or an int >= 1, and
+    ``class_names`` ``None`` or at least 2 non-blank names (checked when the module is built,
+    not after every image is encoded).
+
+    Raises:
+        ValueError: any of them is not.
+    """
+    if class_names is not None and (
+        len(class_names) < 2 or not all(c.strip() for c in class_names)
+    ):
+        raise ValueError(
+            "Expected `class_names` to hold at least 2 non-blank names, but got "
+            f"{class_names!r:.200}"
+        )
+    for name, value, optional in (("text_batch_size", text_batch_size, False),
+                                  ("chunk_size", chunk_size, True)):  # fmt: skip
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = "an int >= 1" + (" or None" if optional else "")
+            raise ValueError(f"Expected `{name}` to be {what}, but got {value!r}")
+
+
+def unpack_batch(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None, list[str] | None]:
+    """``(image, index, label, error)`` of a FrolicModule batch (``None`` where absent).
+
+    Raises:
+        ValueError: not a dict with ``"image"`` (or ``"features"``) and ``"index"``.
+    """
+    has_input = isinstance(batch, dict) and ("image" in batch or "features" in batch)
+    if not has_input or "index" not in batch:
+        raise ValueError(
+            "Expected each batch to be a dict with 'image' and 'index' (and optionally "
+            f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
+        )
+    return batch.get("image"), batch["index"], batch.get("label"), batch.get("error")
+
+
 def sample_validity(features: Tensor, errors: list[str] | None) -> tuple[Tensor, list[str]]:
     """``(valid (n,) bool, reason per sample ('' when valid))`` of one encoded batch."""
     reasons = [str(e) for e in errors] if errors is not None else [""] * features.shape[0]
