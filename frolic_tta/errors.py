@@ -8,8 +8,15 @@ same values on every rank (or on all-reduced ones), so a DDP job stops on every 
 
 from __future__ import annotations
 
-__all__ = ["FrolicInputError"]
+__all__ = ["FrolicInputError", "write_error"]
 
 
 class FrolicInputError(ValueError):
     """A bad input or configuration, explained in one sentence that names the option to change."""
+
+
+def write_error(path: object, error: BaseException) -> str:
+    """One sentence for an output that could not be written (disk full, read-only folder)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    reason = getattr(error, "strerror", None) or text or type(error).__name__
+    return f"could not write '{path}': {reason}; free space or choose a writable --output_dir"

@@ -13,13 +13,25 @@
   there (options under ``--report.*``);
 * checks what is cheap to check (options, templates, prompts file, head file, ``ckpt_path``,
   ``limit_predict_batches``, samples per process) before data, weights or DDP processes;
+* reads ``--ckpt_path`` as ``--model.head_file``: the **command line wins** (Lightning's own
+  re-parsing of the checkpoint's hyperparameters over the command line is switched off); the
+  checkpoint gives the head, its class names and its CLIP weights, and is refused when it was
+  fitted with another encoder or other prompts;
+* ``--save_checkpoint PATH`` writes a self-contained checkpoint of the adapted model after
+  predict (CLIP weights and head: ``--model.head_file PATH`` scores with it later);
 * turns user errors (and a feature store that does not fit the run) into one error line and
-  exit status 2 (:func:`main`).
+  exit status 2 (:func:`main`), whichever DDP rank raised.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -31,7 +43,7 @@ from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
 from frolic_tta.clip.prompts import load_descriptions, resolve_templates
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
 from frolic_tta.data.datamodules import check_samples_per_rank
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.errors import FrolicInputError, write_error
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.report import FrolicReport
@@ -122,6 +134,13 @@ class FrolicCLI(LightningCLI):
             default="outputs",
             help="Folder for metrics.json, predictions, head and plots (and config.yaml).",
         )
+        parser.add_argument(
+            "--save_checkpoint",
+            type=str | None,
+            default=None,
+            help="After predict, write a self-contained checkpoint of the adapted model "
+            "(CLIP weights and head) to this path; use it as --model.head_file.",
+        )
         parser.add_lightning_class_args(FrolicReport, "report")
         parser.link_arguments("output_dir", "report.output_dir")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
@@ -150,8 +169,23 @@ class FrolicCLI(LightningCLI):
         except (TypeError, ValueError, FileNotFoundError) as error:
             raise FrolicCLIError(str(error)) from error
 
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """The command line wins: the checkpoint's hyperparameters are not re-applied over it
+        (``--ckpt_path`` is read as ``--model.head_file``, see :meth:`_check_config`)."""
+
     def _check_config(self, config: Any) -> None:
         model = config.get("model") or {}
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path:
+            self._check_ckpt_path(str(ckpt_path))
+            head_file = model.get("head_file")
+            if head_file and str(head_file) != str(ckpt_path):
+                raise FrolicInputError(
+                    f"Expected one head to score with, but got --ckpt_path '{ckpt_path}' and "
+                    f"--model.head_file '{head_file}': pass one of them"
+                )
+            config["model"]["head_file"], config["ckpt_path"] = str(ckpt_path), None
         if model.get("options") is not None:
             FrolicOptions(**dict(model["options"]))
         check_tau_c(model.get("tau_c", "model"))
@@ -161,10 +195,7 @@ class FrolicCLI(LightningCLI):
         self._head_class_names = None
         if model.get("head_file"):
             self._head_class_names = read_head_file(model["head_file"])[1]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path:
-            self._check_ckpt_path(str(ckpt_path))
-        if model.get("reuse_head") and not (model.get("head_file") or ckpt_path):
+        if model.get("reuse_head") and not model.get("head_file"):
             raise FrolicInputError(
                 "Expected a stored head with --model.reuse_head true, but none is given (a new "
                 "process has no head): pass --model.head_file outputs/<run>/head.pt"
@@ -197,12 +228,25 @@ class FrolicCLI(LightningCLI):
     @override
     def before_predict(self) -> None:
         """Fewer samples than processes: stop before any process is launched."""
+        _RUN["world_size"] = self.trainer.world_size
         source = getattr(self.datamodule, "source", None)
         if source is not None:
             try:
                 check_samples_per_rank(len(source), self.trainer.world_size)
             except FrolicInputError as error:
                 raise FrolicCLIError(str(error)) from error
+
+    def after_predict(self) -> None:
+        """``--save_checkpoint``: write the adapted model (CLIP weights and head)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        path = config.get("save_checkpoint")
+        if not path:
+            return
+        self.model.hparams.save_clip_weights = True
+        try:
+            self.trainer.save_checkpoint(path)
+        except OSError as error:
+            raise FrolicCLIError(write_error(path, error)) from None
 
     @override
     def instantiate_classes(self) -> None:
@@ -215,20 +259,82 @@ class FrolicCLI(LightningCLI):
             raise
 
 
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
+def user_message(error: BaseException) -> str | None:
+    """The one line for an error the user fixes (``None``: a bug, shown with its traceback)."""
+    if isinstance(error, FrolicCLIError | FrolicInputError):
+        return str(error)
+    if isinstance(error, OSError) and error.filename and error.errno in UNWRITABLE:
+        return write_error(error.filename, error)
+    return None
+
+
+_RUN = {"world_size": 1}
+"""The world size of the predict this process runs (set by ``before_predict``)."""
+
+ERROR_DIR = "FROLIC_ERROR_DIR"
+"""Environment variable naming the folder where a DDP rank leaves its user error for rank 0
+(set by rank 0 before it launches the other processes, which inherit it)."""
+
+
+def _leave_error(message: str) -> None:
+    folder = os.environ.get(ERROR_DIR)
+    if folder and Path(folder).is_dir():
+        target = Path(folder) / f"rank{rank_zero_only.rank}.txt"
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(message)
+        temporary.replace(target)
+
+
+def _error_of_another_rank(wait_s: float = 5.0) -> str | None:
+    """The user error another rank left (waiting up to ``wait_s`` for it), or ``None``."""
+    folder = os.environ.get(ERROR_DIR)
+    if not folder or _RUN["world_size"] < 2:
+        return None
+    mine = f"rank{rank_zero_only.rank}.txt"
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = sorted(p for p in Path(folder).glob("rank*.txt") if p.name != mine)
+        if found:
+            return found[0].read_text()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
-    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
-    or a :class:`~frolic_tta.errors.FrolicInputError` raised during predict (too many unreadable
-    images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
-    stderr (by rank 0) and exits with status 2, without a traceback.
+    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value,
+    an output that cannot be written) or a :class:`~frolic_tta.errors.FrolicInputError` raised
+    during predict (too many unreadable images, a stored head or a feature store that does not
+    fit) is printed as ``error: ...`` on stderr by rank 0 and exits with status 2, without a
+    traceback. Under DDP a rank that raised alone leaves its message in :data:`ERROR_DIR`;
+    rank 0, whose collective then fails, prints that line instead of the collective's error,
+    and the other ranks exit with status 2 silently.
     """
+    created = None
+    if rank_zero_only.rank == 0 and ERROR_DIR not in os.environ:
+        created = os.environ[ERROR_DIR] = tempfile.mkdtemp(prefix="frolic-errors-")
     try:
         FrolicCLI(args=args)
-    except (FrolicCLIError, FrolicInputError) as error:
+    except Exception as error:
+        message = user_message(error)
+        if message is not None:
+            _leave_error(message)
+        else:
+            message = _error_of_another_rank()
+        if message is None:
+            raise
         if rank_zero_only.rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+            os.environ.pop(ERROR_DIR, None)
 
 
 if __name__ == "__main__":  # python -m frolic_tta.lightning.cli predict ... (as train.py)
