@@ -190,3 +190,26 @@ def check_shards_together(
             f"Expected integer `labels` of shape (N,) with values in [0, {num_classes - 1}] on "
             f"every shard, but {counts[-1]} label(s) or shard(s) over all shards are not"
         )
+
+
+def check_sums_shapes(sums: Any, prototypes: Tensor) -> None:
+    """Raise unless ``sums`` (:class:`~frolic_tta.gda.MomentSums`) fit ``prototypes``
+    ``(K, d)`` and count at least one sample.
+
+    Raises:
+        ValueError: a field of another shape, or a count that is not > 0.
+    """
+    k, d = prototypes.shape
+    expected = {"count": (), "feature_sum": (d,), "outer_sum": (d, d), "soft_count": (k,),
+                "soft_sum": (k, d)}  # fmt: skip
+    wrong = {
+        name: tuple(getattr(sums, name).shape)
+        for name, shape in expected.items()
+        if tuple(getattr(sums, name).shape) != shape
+    }
+    if wrong:
+        raise ValueError(
+            f"Expected `sums` for K={k} classes and d={d} dimensions ({expected}), but got {wrong}"
+        )
+    if not float(sums.count) > 0:
+        raise ValueError(f"Expected `sums` of at least one sample, but their count is {sums.count}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -130,11 +131,13 @@ class SkippedSamples:
         if len(self.records) > self.allowed(self.expected):
             self.stop(len(self.records), self.seen, f"about {self.expected} on this rank")
 
-    def allowed(self, total: int) -> float:
-        """Skipped samples accepted among ``total``: the fraction, but at least one (unless the
-        fraction is 0): a single bad file never stops a run."""
-        limit = self.max_fraction * total
-        return max(limit, 1.0) if self.max_fraction > 0 else limit
+    def allowed(self, total: int) -> int:
+        """Skipped samples accepted among ``total``: ``floor(fraction * total)`` computed
+        exactly on the fraction's decimal value (0.29 of 100 allows 29, where the float product
+        is 28.999...), but at least one (unless the fraction is 0): a single bad file never
+        stops a run."""
+        limit = math.floor(Fraction(repr(self.max_fraction)) * int(total))
+        return max(limit, 1) if self.max_fraction > 0 else limit
 
     def stop(self, skipped: int, seen: int, of: str) -> None:
         """Raise the too-many-skipped error."""
