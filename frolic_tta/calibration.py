@@ -88,6 +88,8 @@ def confidence(
         temperature: :math:`\tau > 0`.
         reduce_fn: sums a tensor over shards (identity by default).
     """
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        check_shards_together(reduce_fn, [("logits", logits)])
     reduce_fn = reduce_fn or identity_reduce
     temperature = check_positive("temperature", temperature)
     sums = reduce_fn(_confidence_sums(as_source(logits), temperature))

@@ -142,6 +142,8 @@ def check_shards_together(
             (``normalize``), tensors of differing shapes, or a bad label.
     """
     found = [(n, t) for n, t in tensors if isinstance(t, Tensor)]
+    if not found and labels is None:  # nothing to check (a LogitSource): no reduction
+        return
     for name, tensor in found:
         check_matrix(name, tensor, min_rows=0, finite=False)
     local = [float((~torch.isfinite(t)).any(dim=1).sum()) if t.numel() else 0.0 for _, t in found]

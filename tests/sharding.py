@@ -9,6 +9,23 @@ from typing import Any
 import torch
 
 
+def summing_reduce(
+    rank: int, barrier: threading.Barrier, slots: list[torch.Tensor | None]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Shard ``rank``'s ``reduce_fn``: the sum over every shard's tensor, in shard order."""
+
+    def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
+        slots[rank] = tensor.clone()
+        barrier.wait()
+        total = slots[0].clone()
+        for other in slots[1:]:
+            total += other
+        barrier.wait()
+        return total
+
+    return reduce_fn
+
+
 def run_sharded(fn: Callable[[Any, Callable], Any], shards: Sequence[Any]) -> list[Any]:
     """Call ``fn(shard, reduce_fn)`` for every shard in its own thread.
 
@@ -23,16 +40,7 @@ def run_sharded(fn: Callable[[Any, Callable], Any], shards: Sequence[Any]) -> li
     errors: list[BaseException] = []
 
     def make_reduce(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
-            slots[rank] = tensor.clone()
-            barrier.wait()
-            total = slots[0].clone()
-            for other in slots[1:]:
-                total += other
-            barrier.wait()
-            return total
-
-        return reduce_fn
+        return summing_reduce(rank, barrier, slots)
 
     def target(rank: int) -> None:
         try:
@@ -64,16 +72,7 @@ def outcomes_sharded(
     results: list[Any] = [None] * n
 
     def make_reduce(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
-            slots[rank] = tensor.clone()
-            barrier.wait()
-            total = slots[0].clone()
-            for other in slots[1:]:
-                total += other
-            barrier.wait()
-            return total
-
-        return reduce_fn
+        return summing_reduce(rank, barrier, slots)
 
     def target(rank: int) -> None:
         try:

@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import frolic_tta
-from frolic_tta.calibration import match_temperature
+from frolic_tta.calibration import confidence, match_temperature
 from frolic_tta.debias import estimate_label_bias
+from frolic_tta.inmap import inmap_proxies
 from tests.sharding import outcomes_sharded
 
 
@@ -150,3 +151,19 @@ def test_a_real_two_process_group_raises_on_both_ranks(tmp_path):
     outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     for outcome in outcomes:
         assert outcome.startswith("ValueError: Expected `features` to hold only finite"), outcomes
+
+
+def test_confidence_and_inmap_raise_on_every_shard():
+    z, parts = shards()
+    bad = spoil(parts, nan_row)
+
+    def proxies(x, reduce_fn):
+        return inmap_proxies(x, z, reduce_fn=reduce_fn, iterations=2)
+
+    raised_together(outcomes_sharded(proxies, bad), "`features` to hold only finite values")
+    logits = [5 * p[:, :3] for p in bad]
+
+    def conf(x, reduce_fn):
+        return confidence(x, 0.1, reduce_fn=reduce_fn)
+
+    raised_together(outcomes_sharded(conf, logits), "`logits` to hold only finite values")
