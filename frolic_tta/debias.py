@@ -46,6 +46,7 @@ from frolic_tta.errors import warn
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 from frolic_tta.matching import MassMatch, match_class_masses
 from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
+from frolic_tta.validation import check_shards_together
 
 
 def _floor(beta: Tensor, prior_floor: float) -> Tensor:
@@ -189,6 +190,8 @@ def fit_label_bias(
         raise ValueError(f"Expected `prior_floor` < 1, but got {prior_floor!r}")
     if bound is not None:
         check_positive("bound", bound)
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        check_shards_together(reduce_fn, [("logits", logits)], labels=labels)
     reduce_fn = reduce_fn or identity_reduce
     source = as_source(logits)
     k = source.num_classes

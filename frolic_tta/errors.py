@@ -9,7 +9,7 @@ same values on every rank (or on all-reduced ones), so a DDP job stops on every 
 :func:`warn` is how the package warns: attributed to the line of ``frolic_tta`` that warns (not
 to a decorator such as ``torch.no_grad``'s ``_contextlib.py``), shown once per process for the
 same text, and, for a fact about the whole dataset (decided on all-reduced values), by rank 0
-only.
+only. :func:`write_error` is the one sentence for an output that could not be written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-__all__ = ["FrolicInputError", "warn"]
+__all__ = ["FrolicInputError", "warn", "write_error"]
 
 _REGISTRY: dict = {}
 """Which (text, category, line) were shown: the ``__warningregistry__`` of :func:`warn`."""
@@ -56,3 +56,10 @@ def warn(message: str, *, per_rank: bool = False, category: type[Warning] = User
         registry=_REGISTRY,
         module_globals=frame.f_globals,
     )
+
+
+def write_error(path: object, error: BaseException) -> str:
+    """One sentence for an output that could not be written (disk full, read-only folder)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    reason = getattr(error, "strerror", None) or text or type(error).__name__
+    return f"could not write '{path}': {reason}; free space or choose a writable --output_dir"

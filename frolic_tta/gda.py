@@ -48,7 +48,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from frolic_tta.errors import warn
+from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.logits import AffineMap, ReduceFn
 from frolic_tta.options import (
     COVARIANCES,
@@ -303,10 +303,11 @@ def fit_gaussian_head(
     if covariance == "soft":
         factor, info = torch.linalg.cholesky_ex(sigma)
         if int(info) != 0 and shrinkage is None:
-            raise ValueError(
+            raise FrolicInputError(
                 "Expected the soft within-class covariance to be positive definite, but its "
                 f"Cholesky factorisation failed at column {int(info)} (fewer samples than "
-                "dimensions, or identical features); use shrinkage='auto' or a float in [0, 1]"
+                "dimensions, or identical features); use shrinkage='auto' or a float in [0, 1] "
+                "(--model.options.shrinkage auto)"
             )
         ridge = 0.0
         if int(info) != 0:
@@ -323,9 +324,10 @@ def fit_gaussian_head(
     else:
         solved, info = torch.linalg.solve_ex(sigma, centred)
         if int(info) != 0:
-            raise ValueError(
+            raise FrolicInputError(
                 "Expected the Eq. 7 covariance to be invertible, but it is singular "
-                f"(LU pivot {int(info)} is zero)"
+                f"(LU pivot {int(info)} is zero: fewer samples than dimensions, or identical "
+                "features); use covariance='soft' (--model.options.covariance soft)"
             )
         weight = solved.t()
     bias = -0.5 * (centred.t() * weight).sum(1)

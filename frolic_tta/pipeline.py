@@ -45,8 +45,9 @@ from frolic_tta.rows import RowContext, build_rows
 from frolic_tta.validation import (
     check_matrix,
     check_prototypes,
+    check_shards_together,
+    check_sums_shapes,
     check_unit_rows,
-    non_unit_rows,
     validate_inputs,
 )
 
@@ -130,7 +131,7 @@ def fit_frolic(
     # values are checked over all shards together (below), so no shard raises alone
     check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=False)
     reduce_fn = reduce_fn or identity_reduce
-    check_samples_everywhere(features, reduce_fn)
+    check_samples_everywhere(features, reduce_fn, sums, prototypes)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
@@ -209,17 +210,29 @@ def floored(prior: Tensor, prior_floor: float) -> Tensor:
     return prior / prior.sum()
 
 
-def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
-    """Raise on every shard together if any shard holds a non-finite feature, or if all shards
-    together hold fewer than 2 samples (one reduction).
+def check_samples_everywhere(
+    features: Tensor,
+    reduce_fn: ReduceFn,
+    sums: MomentSums | None = None,
+    prototypes: Tensor | None = None,
+) -> None:
+    """Raise on every shard together if any shard holds a non-finite feature, if all shards
+    together hold fewer than 2 samples, or if given ``sums`` are not those of ``features`` (one
+    reduction).
 
     Raises:
-        ValueError: NaN or inf in the features of some shard, or N < 2 over all shards (all
-            shards raise, so none is left waiting in a collective).
+        ValueError: NaN or inf in the features of some shard, N < 2 over all shards, or
+            ``sums`` of other shapes, empty, or whose count and feature sum contradict the
+            features (all shards raise, so none is left waiting in a collective).
     """
+    if sums is not None and prototypes is not None:
+        check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
     local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
     counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
-    bad, total = (int(v) for v in reduce_fn(counts).tolist())
+    if sums is not None:
+        counts = torch.cat([counts, features.to(torch.float64).sum(0).cpu()])
+    reduced = reduce_fn(counts)
+    bad, total = (int(v) for v in reduced[:2].tolist())
     if bad:
         raise ValueError(
             f"Expected finite features, but {bad} sample(s) hold NaN or inf; drop or "
@@ -228,6 +241,15 @@ def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
     if total < 2:
         where = "" if reduce_fn is identity_reduce else " over all shards"
         raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
+    if sums is not None:
+        given = float(sums.count)
+        gap = float((sums.feature_sum.double().cpu() - reduced[2:]).abs().max())
+        if abs(given - total) > 0.5 or gap > 1e-6 * max(1.0, total):
+            raise ValueError(
+                f"Expected `sums` to be the moment sums of `features` (N={total}), but their "
+                f"count is {given:g} and their feature sum differs by up to {gap:.3g}: pass the "
+                "sums of these features (reduced over all shards), or sums=None"
+            )
 
 
 @dataclass
@@ -322,14 +344,17 @@ def frolic(
     tau_c = check_positive("tau_c", tau_c)
     if normalize is not None and not isinstance(normalize, bool):
         raise TypeError(f"Expected `normalize` to be True, False or None, but got {normalize!r}")
-    # a shard may be empty; N >= 2 over all shards is checked by fit_frolic (one reduction)
-    validate_inputs(features, prototypes, normalize=normalize, min_rows=0 if reduce_fn else 1)
-    if features.shape[0] < 2 and reduce_fn is None:
-        raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
+    if reduce_fn is None:
+        validate_inputs(features, prototypes, normalize=normalize)
+        if features.shape[0] < 2:
+            raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
+    else:  # values decided over all shards (one reduction); N >= 2 checked by fit_frolic
+        check_matrix("features", features, min_rows=0, finite=False)  # the structure: local
+        validate_inputs(features[:0], prototypes, normalize=normalize, min_rows=0)
+        check_shards_together(reduce_fn, [("features", features)], normalize=normalize)
     if normalize is None:
-        count = torch.tensor([float(non_unit_rows(features))], dtype=torch.float64)
-        count = count if reduce_fn is None else reduce_fn(count)  # every shard raises together
-        check_unit_rows("features", features, count=int(count[0]))
+        if reduce_fn is None:
+            check_unit_rows("features", features)
         check_unit_rows("prototypes", prototypes)  # identical on every shard
     if normalize:
         features, prototypes = l2_normalize(features), l2_normalize(prototypes)

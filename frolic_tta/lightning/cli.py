@@ -13,15 +13,19 @@
   there (options under ``--report.*``);
 * checks what is cheap to check (options, templates, prompts file, head file, ``ckpt_path``,
   ``limit_predict_batches``, samples per process) before data, weights or DDP processes;
+* reads ``--ckpt_path`` as ``--model.head_file``: the **command line wins** (Lightning's own
+  re-parsing of the checkpoint's hyperparameters over the command line is switched off); the
+  checkpoint gives the head, its class names and its CLIP weights, and is refused when it was
+  fitted with another encoder or other prompts;
+* ``--save_checkpoint PATH`` writes a self-contained checkpoint of the adapted model after
+  predict (CLIP weights and head: ``--model.head_file PATH`` scores with it later);
 * turns user errors (and a feature store that does not fit the run) into one error line and
-  exit status 2 (:func:`main`).
+  exit status 2 (:func:`main`), whichever DDP rank raised.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +44,22 @@ from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
 from frolic_tta.clip.prompts import load_descriptions, resolve_templates
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
 from frolic_tta.data.datamodules import check_samples_per_rank
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.errors import FrolicInputError, write_error
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
+from frolic_tta.lightning.entry import (
+    RUN,
+    error_folder,
+    error_of_another_rank,
+    leave_error,
+    quiet_libraries,
+    unwritable_message,
+)
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.progress import LineProgressBar
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
 
 __all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
-
-LIBRARIES = (
-    r"(lightning|lightning_utilities|torch|torchvision|torchmetrics|open_clip|timm|jsonargparse)"
-)
-"""The libraries whose own deprecation notices a run does not show (a user cannot act on them)."""
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
@@ -154,6 +161,13 @@ class FrolicCLI(LightningCLI):
             default="outputs",
             help="Folder for metrics.json, predictions, head and plots (and config.yaml).",
         )
+        parser.add_argument(
+            "--save_checkpoint",
+            type=str | None,
+            default=None,
+            help="After predict, write a self-contained checkpoint of the adapted model "
+            "(CLIP weights and head) to this path; use it as --model.head_file.",
+        )
         parser.add_lightning_class_args(FrolicReport, "report")
         parser.link_arguments("output_dir", "report.output_dir")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
@@ -190,8 +204,23 @@ class FrolicCLI(LightningCLI):
         except (TypeError, ValueError, FileNotFoundError) as error:
             raise FrolicCLIError(str(error)) from error
 
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """The command line wins: the checkpoint's hyperparameters are not re-applied over it
+        (``--ckpt_path`` is read as ``--model.head_file``, see :meth:`_check_config`)."""
+
     def _check_config(self, config: Any) -> None:
         model = config.get("model") or {}
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path:
+            self._check_ckpt_path(str(ckpt_path))
+            head_file = model.get("head_file")
+            if head_file and str(head_file) != str(ckpt_path):
+                raise FrolicInputError(
+                    f"Expected one head to score with, but got --ckpt_path '{ckpt_path}' and "
+                    f"--model.head_file '{head_file}': pass one of them"
+                )
+            config["model"]["head_file"], config["ckpt_path"] = str(ckpt_path), None
         if model.get("options") is not None:
             FrolicOptions(**dict(model["options"]))
         check_tau_c(model.get("tau_c", "model"))
@@ -201,10 +230,7 @@ class FrolicCLI(LightningCLI):
         self._head_class_names = None
         if model.get("head_file"):
             self._head_class_names = read_head_file(model["head_file"])[1]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path:
-            self._check_ckpt_path(str(ckpt_path))
-        if model.get("reuse_head") and not (model.get("head_file") or ckpt_path):
+        if model.get("reuse_head") and not model.get("head_file"):
             raise FrolicInputError(
                 "Expected a stored head with --model.reuse_head true, but none is given (a new "
                 "process has no head): pass --model.head_file outputs/<run>/head.pt"
@@ -237,12 +263,25 @@ class FrolicCLI(LightningCLI):
     @override
     def before_predict(self) -> None:
         """Fewer samples than processes: stop before any process is launched."""
+        RUN["world_size"] = self.trainer.world_size
         source = getattr(self.datamodule, "source", None)
         if source is not None:
             try:
                 check_samples_per_rank(len(source), self.trainer.world_size)
             except FrolicInputError as error:
                 raise FrolicCLIError(str(error)) from error
+
+    def after_predict(self) -> None:
+        """``--save_checkpoint``: write the adapted model (CLIP weights and head)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        path = config.get("save_checkpoint")
+        if not path:
+            return
+        self.model.hparams.save_clip_weights = True
+        try:
+            self.trainer.save_checkpoint(path)
+        except OSError as error:
+            raise FrolicCLIError(write_error(path, error)) from None
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
@@ -304,39 +343,40 @@ def with_logger_save_dir(argv: list[str]) -> list[str]:
     return [*argv[:at], "--trainer.logger.save_dir", str(folder), *argv[at:]]
 
 
-class _NoTips(logging.Filter):
-    """Drops Lightning's advertising tips (litlogger, litmodels) from its info log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
-def quiet_libraries() -> None:
-    """What a successful run should not print: Lightning's tips and the libraries' own
-    deprecation notices (``FutureWarning`` / ``DeprecationWarning`` raised in their code)."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoTips) for f in logger.filters):
-            logger.addFilter(_NoTips())
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=LIBRARIES + r"(\.|$)")
+def user_message(error: BaseException) -> str | None:
+    """The one line for an error the user fixes (``None``: a bug, shown with its traceback)."""
+    if isinstance(error, FrolicCLIError | FrolicInputError):
+        return str(error)
+    return unwritable_message(error)
 
 
 def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
-    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
-    or a :class:`~frolic_tta.errors.FrolicInputError` raised during predict (too many unreadable
-    images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
-    stderr (by rank 0) and exits with status 2, without a traceback.
+    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value,
+    an output that cannot be written) or a :class:`~frolic_tta.errors.FrolicInputError` raised
+    during predict (too many unreadable images, a stored head or a feature store that does not
+    fit) is printed as ``error: ...`` on stderr by rank 0 and exits with status 2, without a
+    traceback. Under DDP a rank that raised alone leaves its message for rank 0
+    (:mod:`~frolic_tta.lightning.entry`);
+    rank 0, whose collective then fails, prints that line instead of the collective's error,
+    and the other ranks exit with status 2 silently.
     """
     quiet_libraries()
-    try:
-        FrolicCLI(args=args)
-    except (FrolicCLIError, FrolicInputError) as error:
-        if rank_zero_only.rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    with error_folder():
+        try:
+            FrolicCLI(args=args)
+        except Exception as error:
+            message = user_message(error)
+            if message is not None:
+                leave_error(message)
+            else:
+                message = error_of_another_rank()
+            if message is None:
+                raise
+            if rank_zero_only.rank == 0:
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 if __name__ == "__main__":  # python -m frolic_tta.lightning.cli predict ... (as train.py)

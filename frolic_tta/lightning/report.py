@@ -41,7 +41,8 @@ from typing_extensions import override
 from frolic_tta.data.indexed import dataset_paths
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
-from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
+from frolic_tta.lightning.provenance import KEY as PROVENANCE
+from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
 from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
@@ -157,12 +158,13 @@ class FrolicReport(FrolicPredictionWriter):
         datamodule = getattr(trainer, "datamodule", None)
         paths = getattr(datamodule, "paths", None) or dataset_paths(_loader_dataset(trainer))
         self._write_csv(out / "predictions.csv", joined, names, paths)
-        torch.save({**joined, "class_names": names}, out / "logits.pt")
-        torch.save(
+        save_file({**joined, "class_names": names}, out / "logits.pt")
+        save_file(
             {
                 "frolic_head": _cpu(head.state_dict()),
                 "classifier": _cpu(module.adapted_classifier().state_dict()),
                 "class_names": names,
+                PROVENANCE: getattr(module, "provenance", lambda: None)(),
             },
             out / "head.pt",
         )
