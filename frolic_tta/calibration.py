@@ -26,13 +26,14 @@ reduced values, so every shard stops at the same step.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
 
+from frolic_tta.errors import warn
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 from frolic_tta.options import check_positive
+from frolic_tta.validation import check_shards_together
 
 
 def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
@@ -87,6 +88,8 @@ def confidence(
         temperature: :math:`\tau > 0`.
         reduce_fn: sums a tensor over shards (identity by default).
     """
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        check_shards_together(reduce_fn, [("logits", logits)])
     reduce_fn = reduce_fn or identity_reduce
     temperature = check_positive("temperature", temperature)
     sums = reduce_fn(_confidence_sums(as_source(logits), temperature))
@@ -127,6 +130,9 @@ def match_temperature(
         ValueError: ``tau_c`` is not finite and > 0, or the two logits differ in N or K.
     """
     tau_c = check_positive("tau_c", tau_c)
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        pairs = [("gda_logits", gda_logits), ("zero_shot_logits", zero_shot_logits)]
+        check_shards_together(reduce_fn, pairs)
     reduce_fn = reduce_fn or identity_reduce
     gda = as_source(gda_logits, "gda_logits")
     zero_shot = as_source(zero_shot_logits, "zero_shot_logits")
@@ -183,11 +189,9 @@ def match_temperature(
                 return math.exp(u)
             break
         u = candidate
-    warnings.warn(
+    warn(
         f"match_temperature did not reach |conf(f_g) - conf(f_c)| <= {tol}; "
         f"best error {best_err:.3g} at tau_g={math.exp(best_u):.4g}",
-        UserWarning,
-        stacklevel=2,
     )
     return math.exp(best_u)
 

@@ -41,15 +41,15 @@ become an absorbing state.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
+from frolic_tta.errors import warn
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
 from frolic_tta.matching import MassMatch, match_class_masses
 from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
 from frolic_tta.released import released_label_bias
+from frolic_tta.validation import check_shards_together
 
 
 def _floor(beta: Tensor, prior_floor: float) -> Tensor:
@@ -193,6 +193,8 @@ def fit_label_bias(
         raise ValueError(f"Expected `prior_floor` < 1, but got {prior_floor!r}")
     if bound is not None:
         check_positive("bound", bound)
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        check_shards_together(reduce_fn, [("logits", logits)], labels=labels)
     reduce_fn = reduce_fn or identity_reduce
     source = as_source(logits)
     k = source.num_classes
@@ -235,11 +237,9 @@ def fit_label_bias(
         beta = new
         if change < eps:  # Algorithm 2, line 9
             return _uniform_result(beta, target, True, passes)
-    warnings.warn(
+    warn(
         f"estimate_label_bias(method='paper') stopped after max_iter={max_iter} iterations "
         f"before reaching eps={eps} (last ||beta^t - beta^(t-1)||_1 = {change:.3g})",
-        UserWarning,
-        stacklevel=3,
     )
     return _uniform_result(beta, target, False, max_iter)
 
@@ -247,20 +247,16 @@ def fit_label_bias(
 def warn_about_match(result: MassMatch, k: int, max_iter: int, eps: float) -> None:
     """Warn when the matching stopped at ``max_iter`` or left classes undetermined."""
     if not result.converged:
-        warnings.warn(
+        warn(
             f"estimate_label_bias(method='soft') stopped after max_iter={max_iter} passes "
             f"before reaching eps={eps} (class-mass error {result.mass_error:.3g})",
-            UserWarning,
-            stacklevel=4,
         )
     undetermined = int(result.undetermined.sum())
     if undetermined:
-        warnings.warn(
+        warn(
             f"the data do not determine the label bias beta-hat of {undetermined} of {k} "
             "classes (hard posteriors or no samples: moving their logits hardly changes any "
             "class mass); their beta-hat is at the bound or arbitrary",
-            UserWarning,
-            stacklevel=4,
         )
 
 

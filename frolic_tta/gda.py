@@ -43,12 +43,12 @@ Shapes: N samples, K classes, d embedding dim.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
+from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.logits import AffineMap, ReduceFn
 from frolic_tta.options import (
     COVARIANCES,
@@ -239,10 +239,14 @@ def shared_covariance(
     return shrink(sigma, rho), means, weights, rho
 
 
-def ridge_factor(covariance: Tensor) -> tuple[Tensor, Tensor]:
-    r"""``(covariance + \lambda I, its Cholesky factor)`` with the smallest
+RIDGE_MATTERS = 1e-3
+"""Relative change of the head's direction above which the ridge is said to change it."""
+
+
+def ridge_factor(covariance: Tensor) -> tuple[Tensor, Tensor, float]:
+    r"""``(covariance + \lambda I, its Cholesky factor, \lambda)`` with the smallest
     :math:`\lambda = 10^{-10+m}\max(\operatorname{tr}\Sigma/d, 10^{-12})`, m = 0, 1, ..., that
-    makes the factorisation succeed; warns once with :math:`\lambda`."""
+    makes the factorisation succeed."""
     d = covariance.shape[0]
     scale = max(float(torch.diagonal(covariance).sum()) / d, 1e-12)
     for power in range(-10, 13):
@@ -252,17 +256,27 @@ def ridge_factor(covariance: Tensor) -> tuple[Tensor, Tensor]:
         )
         factor, info = torch.linalg.cholesky_ex(shifted)
         if int(info) == 0:
-            warnings.warn(
-                "the within-class scatter is numerically singular even after shrinkage "
-                f"(identical or degenerate features?); added {ridge:.3g} I to make it positive "
-                "definite",
-                UserWarning,
-                stacklevel=3,
-            )
-            return shifted, factor
+            return shifted, factor, ridge
     raise ValueError(  # only non-finite entries get here; inputs are checked for those
         "Expected a finite within-class covariance, but no ridge makes it positive definite"
     )
+
+
+def ridge_change(covariance: Tensor, centred: Tensor, weight: Tensor, ridge: float) -> float:
+    r"""How much the head depends on the ridge: the distance between the unit-norm parameters
+    :math:`(W, b)` at :math:`\lambda` and at :math:`10\lambda` (0: the same classifier up to a
+    scale, which :math:`\tau_g` absorbs; ``centred`` is ``(d, K)``, ``weight`` ``(K, d)``)."""
+    eye = torch.eye(covariance.shape[0], dtype=covariance.dtype, device=covariance.device)
+    factor, info = torch.linalg.cholesky_ex(covariance + 10.0 * ridge * eye)
+    if int(info) != 0:
+        return float("inf")
+    other = torch.cholesky_solve(centred, factor).t()
+
+    def direction(w: Tensor) -> Tensor:
+        params = torch.cat([w.flatten(), -0.5 * (centred.t() * w).sum(1)])
+        return params / params.norm().clamp_min(torch.finfo(params.dtype).tiny)
+
+    return float((direction(weight) - direction(other)).norm())
 
 
 def fit_gaussian_head(
@@ -275,8 +289,10 @@ def fit_gaussian_head(
 
     With ``"soft"`` and any shrinkage, a scatter that is still not numerically positive
     definite (identical features, features on the prototypes, K >> N with hard posteriors) gets
-    the smallest ridge :math:`\lambda I` that makes it so (:func:`ridge_factor`), with a
-    ``UserWarning``; with ``shrinkage=None`` it is an error.
+    the smallest ridge :math:`\lambda I` that makes it so (:func:`ridge_factor`); a
+    ``UserWarning`` says so only when the ridge changes the classifier (a 10x larger one moves the
+    head's direction by more than :data:`RIDGE_MATTERS`); with ``shrinkage=None`` it is an
+    error.
 
     Raises:
         ValueError: if the covariance is singular (``"paper"``) or not positive definite
@@ -292,20 +308,31 @@ def fit_gaussian_head(
     if covariance == "soft":
         factor, info = torch.linalg.cholesky_ex(sigma)
         if int(info) != 0 and shrinkage is None:
-            raise ValueError(
+            raise FrolicInputError(
                 "Expected the soft within-class covariance to be positive definite, but its "
                 f"Cholesky factorisation failed at column {int(info)} (fewer samples than "
-                "dimensions, or identical features); use shrinkage='auto' or a float in [0, 1]"
+                "dimensions, or identical features); use shrinkage='auto' or a float in [0, 1] "
+                "(--model.options.shrinkage auto)"
             )
+        ridge = 0.0
         if int(info) != 0:
-            sigma, factor = ridge_factor(sigma)
+            singular = sigma
+            sigma, factor, ridge = ridge_factor(sigma)
         weight = torch.cholesky_solve(centred, factor).t()
+        if ridge and (change := ridge_change(singular, centred, weight, ridge)) > RIDGE_MATTERS:
+            warn(
+                "the within-class scatter is numerically singular even after shrinkage "
+                f"(identical or degenerate features?); added {ridge:.3g} I to make it positive "
+                f"definite, which changes the Gaussian head (a 10x larger ridge moves its "
+                f"direction by {change:.2g})"
+            )
     else:
         solved, info = torch.linalg.solve_ex(sigma, centred)
         if int(info) != 0:
-            raise ValueError(
+            raise FrolicInputError(
                 "Expected the Eq. 7 covariance to be invertible, but it is singular "
-                f"(LU pivot {int(info)} is zero)"
+                f"(LU pivot {int(info)} is zero: fewer samples than dimensions, or identical "
+                "features); use covariance='soft' (--model.options.covariance soft)"
             )
         weight = solved.t()
     bias = -0.5 * (centred.t() * weight).sum(1)

@@ -71,7 +71,7 @@ from frolic_tta.logits import (
     identity_reduce,
 )
 from frolic_tta.options import FrolicOptions, check_positive
-from frolic_tta.validation import check_matrix
+from frolic_tta.validation import check_matrix, check_shards_together
 
 PROXY_TEMPERATURE = 0.04
 r"""InMaP's :math:`\tau_i` (its ImageNet default): the proxies' softmax temperature."""
@@ -246,7 +246,9 @@ def fit_proxies(
         :class:`ProxyFit`.
     """
     check_matrix("prototypes", prototypes, min_rows=2)
-    check_matrix("features", features, min_rows=0, cols=prototypes.shape[1])
+    check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=not reduce_fn)
+    if reduce_fn is not None:  # values decided over all shards: every shard raises or none
+        check_shards_together(reduce_fn, [("features", features)])
     for name, value in (
         ("text_temperature", text_temperature),
         ("temperature", temperature),

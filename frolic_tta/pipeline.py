@@ -49,6 +49,7 @@ from frolic_tta.released import released_proxies
 from frolic_tta.validation import (
     check_matrix,
     check_prototypes,
+    check_sums_shapes,
 )
 
 
@@ -135,7 +136,7 @@ def fit_frolic(
     # values are checked over all shards together (below), so no shard raises alone
     check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=False)
     reduce_fn = reduce_fn or identity_reduce
-    check_samples_everywhere(features, reduce_fn)
+    check_samples_everywhere(features, reduce_fn, sums, prototypes)
     if options.zero_shot == "inmap":  # f_c := InMaP's proxies, at their temperature
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, **inmap_kwargs(options)}
         if options.test_prior == "em" and options.inmap_gamma == 0:  # labels to pi-tilde
@@ -282,17 +283,29 @@ def floored(prior: Tensor, prior_floor: float) -> Tensor:
     return prior / prior.sum()
 
 
-def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
-    """Raise on every shard together if any shard holds a non-finite feature, or if all shards
-    together hold fewer than 2 samples (one reduction).
+def check_samples_everywhere(
+    features: Tensor,
+    reduce_fn: ReduceFn,
+    sums: MomentSums | None = None,
+    prototypes: Tensor | None = None,
+) -> None:
+    """Raise on every shard together if any shard holds a non-finite feature, if all shards
+    together hold fewer than 2 samples, or if given ``sums`` are not those of ``features`` (one
+    reduction).
 
     Raises:
-        ValueError: NaN or inf in the features of some shard, or N < 2 over all shards (all
-            shards raise, so none is left waiting in a collective).
+        ValueError: NaN or inf in the features of some shard, N < 2 over all shards, or
+            ``sums`` of other shapes, empty, or whose count and feature sum contradict the
+            features (all shards raise, so none is left waiting in a collective).
     """
+    if sums is not None and prototypes is not None:
+        check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
     local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
     counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
-    bad, total = (int(v) for v in reduce_fn(counts).tolist())
+    if sums is not None:
+        counts = torch.cat([counts, features.to(torch.float64).sum(0).cpu()])
+    reduced = reduce_fn(counts)
+    bad, total = (int(v) for v in reduced[:2].tolist())
     if bad:
         raise ValueError(
             f"Expected finite features, but {bad} sample(s) hold NaN or inf; drop or "
@@ -301,3 +314,12 @@ def check_samples_everywhere(features: Tensor, reduce_fn: ReduceFn) -> None:
     if total < 2:
         where = "" if reduce_fn is identity_reduce else " over all shards"
         raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
+    if sums is not None:
+        given = float(sums.count)
+        gap = float((sums.feature_sum.double().cpu() - reduced[2:]).abs().max())
+        if abs(given - total) > 0.5 or gap > 1e-6 * max(1.0, total):
+            raise ValueError(
+                f"Expected `sums` to be the moment sums of `features` (N={total}), but their "
+                f"count is {given:g} and their feature sum differs by up to {gap:.3g}: pass the "
+                "sums of these features (reduced over all shards), or sums=None"
+            )

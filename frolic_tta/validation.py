@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -113,3 +116,102 @@ def check_unit_rows(name: str, tensor: Tensor, *, count: int | None = None) -> N
         f"open_clip's encode_image and encode_text do not normalise), but got {seen}. Pass "
         "normalize=True to normalise them, or normalize=False to use them as they are."
     )
+
+
+def check_shards_together(
+    reduce_fn: Callable[[Tensor], Tensor],
+    tensors: Sequence[tuple[str, Any]] = (),
+    *,
+    normalize: bool | None = False,
+    labels: Any = None,
+) -> None:
+    """Check every shard's values with one reduction, so that all shards raise or none does
+    (a shard raising alone leaves the others waiting in their next collective).
+
+    Args:
+        reduce_fn: sums a tensor over shards.
+        tensors: ``(name, value)`` pairs; the ``(N_local, K)`` tensors among them are checked
+            for NaN/inf and for equal shapes (other values, e.g. a ``LogitSource``, are passed).
+        normalize: ``True``: a zero row cannot be normalised; ``None``: rows must be unit-norm
+            (both for the first tensor, the features).
+        labels: ``(N_local,)`` integer labels in ``[0, K)`` of the first value's ``(N_local,
+            K)`` (a tensor or a ``LogitSource``), or ``None``.
+
+    Raises:
+        ValueError: on every shard, when any shard holds NaN/inf, a zero or non-unit row
+            (``normalize``), tensors of differing shapes, or a bad label.
+    """
+    found = [(n, t) for n, t in tensors if isinstance(t, Tensor)]
+    if not found and labels is None:  # nothing to check (a LogitSource): no reduction
+        return
+    for name, tensor in found:
+        check_matrix(name, tensor, min_rows=0, finite=False)
+    local = [float((~torch.isfinite(t)).any(dim=1).sum()) if t.numel() else 0.0 for _, t in found]
+    local.append(float(len({tuple(t.shape) for _, t in found}) > 1))
+    first = found[0][1] if found else None
+    zero = normalize is True and first is not None and bool(first.numel())
+    local.append(float((first.norm(dim=1) == 0).sum()) if zero else 0.0)
+    local.append(float(non_unit_rows(first)) if normalize is None and first is not None else 0.0)
+    if labels is not None:
+        of = tensors[0][1] if tensors else None
+        num_samples, num_classes = (
+            tuple(of.shape)
+            if isinstance(of, Tensor)
+            else (getattr(of, "num_samples", 0), getattr(of, "num_classes", 0))
+        )
+        labels = torch.as_tensor(labels)
+        integer = not (
+            labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool
+        )
+        shaped = integer and labels.shape == (num_samples,)
+        outside = ((labels < 0) | (labels >= num_classes)).sum() if shaped else 0
+        local.append(float(not shaped) + float(outside))
+    counts = [int(v) for v in reduce_fn(torch.tensor(local, dtype=torch.float64)).tolist()]
+    for (name, _), bad in zip(found, counts, strict=False):
+        if bad:
+            raise ValueError(
+                f"Expected `{name}` to hold only finite values, but found NaN or inf in {bad} "
+                "row(s) over all shards"
+            )
+    mismatch, zeros, off = counts[len(found) : len(found) + 3]
+    names = " and ".join(f"`{n}`" for n, _ in found)
+    if mismatch:
+        raise ValueError(
+            f"Expected {names} to have the same shape on every shard, but they differ on "
+            f"{mismatch} shard(s)"
+        )
+    if zeros:
+        raise ValueError(
+            f"Expected every row of `{found[0][0]}` to have non-zero norm to normalise, but "
+            f"{zeros} row(s) over all shards are zero"
+        )
+    if normalize is None and first is not None:
+        check_unit_rows(found[0][0], first, count=off)
+    if labels is not None and counts[-1]:
+        raise ValueError(
+            f"Expected integer `labels` of shape (N,) with values in [0, {num_classes - 1}] on "
+            f"every shard, but {counts[-1]} label(s) or shard(s) over all shards are not"
+        )
+
+
+def check_sums_shapes(sums: Any, prototypes: Tensor) -> None:
+    """Raise unless ``sums`` (:class:`~frolic_tta.gda.MomentSums`) fit ``prototypes``
+    ``(K, d)`` and count at least one sample.
+
+    Raises:
+        ValueError: a field of another shape, or a count that is not > 0.
+    """
+    k, d = prototypes.shape
+    expected = {"count": (), "feature_sum": (d,), "outer_sum": (d, d), "soft_count": (k,),
+                "soft_sum": (k, d)}  # fmt: skip
+    wrong = {
+        name: tuple(getattr(sums, name).shape)
+        for name, shape in expected.items()
+        if tuple(getattr(sums, name).shape) != shape
+    }
+    if wrong:
+        raise ValueError(
+            f"Expected `sums` for K={k} classes and d={d} dimensions ({expected}), but got {wrong}"
+        )
+    if not float(sums.count) > 0:
+        raise ValueError(f"Expected `sums` of at least one sample, but their count is {sums.count}")

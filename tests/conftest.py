@@ -102,3 +102,45 @@ def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
             _pattern_image(rng, kind).save(root / name / f"img_{i:02d}.png")
     (root / "notes.txt").write_text("not an image\n")
     return root
+
+
+SLOW = {
+    # over ~9 s each on 2 shared CPU cores (pytest --durations): processes, DDP, InMaP's 2,000
+    # steps, pre-training; `pytest -m "not slow"` leaves them out, CI runs everything
+    "tests/test_inmap.py::test_proxies_match_the_reference_code_at_its_defaults",
+    "tests/test_inmap.py::test_two_uneven_shards_equal_one",
+    "tests/test_inmap.py::test_sharded_frolic_on_inmap_equals_whole",
+    "tests/test_inmap.py::test_command_line_runs_frolic_on_inmap",
+    "tests/test_inmap.py::test_proxies_beat_the_text_prototypes_and_frolic_adds_to_them",
+    "tests/test_inmap.py::test_fit_recomputes_the_sums_with_the_proxies",
+    "tests/test_sweep.py::test_sweep_of_ddp_runs_through_the_cli",
+    "tests/test_cli.py::test_report_files",
+    "tests/test_cli.py::test_a_successful_ddp_run_is_quiet",
+    "tests/test_cli.py::test_one_and_two_devices_agree",
+    "tests/test_cli.py::test_missing_checkpoint_is_one_clear_error_without_traceback",
+    "tests/test_cli.py::test_head_file_scores_new_images_without_adapting",
+    "tests/test_cli.py::test_limited_smoke_runs_adapt_on_what_they_saw",
+    "tests/test_bad_samples.py::test_two_processes_count_skipped_samples_like_one",
+    "tests/test_bad_samples.py::test_corrupt_file_and_nan_sample_end_to_end",
+    "tests/test_module.py::test_two_process_ddp_equals_single_process",
+    "tests/test_module.py::test_padding_distributed_sampler_is_detected",
+    "tests/test_module.py::test_features_and_prototypes_match_an_independent_encode",
+    "tests/test_store.py::test_store_written_by_two_processes_is_read_by_one",
+    "tests/test_metrics.py::test_two_process_gloo_group_equals_one_process",
+    "tests/test_sharded_core.py::test_two_process_gloo_group_equals_whole",
+    "tests/test_label_shift.py::test_few_samples_per_class_keep_the_balanced_default",
+    "tests/test_demo.py::test_demo_trains_caches_adapts_and_writes_the_usual_outputs",
+    "tests/test_demo.py::test_a_successful_demo_run_is_quiet",
+    "tests/test_demo.py::test_the_second_demo_run_reads_the_cache",
+    "tests/test_descriptions.py::test_offline_is_one_sentence_and_exit_status_2",
+    "tests/test_splits.py::test_metrics_json_and_table_name_the_split",
+    "tests/test_readme.py::test_snippet_runs",
+}
+"""Tests marked ``slow`` (their node id without parameters)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of :data:`SLOW` with ``pytest.mark.slow``."""
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)

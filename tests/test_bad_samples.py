@@ -15,7 +15,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import frolic_tta
-import frolic_tta.lightning.module as module_file
+import frolic_tta.lightning.checkpoint as checkpoint_file
 from frolic_tta.clip.loading import load_open_clip
 from frolic_tta.data import IndexedDataset
 from frolic_tta.lightning.cli import main
@@ -114,7 +114,7 @@ def nan_for_white_images(model_name, pretrained):
 def test_corrupt_file_and_nan_sample_end_to_end(tiny_clip, tmp_path, monkeypatch, capsys):
     folder, out = tmp_path / "images", tmp_path / "out"
     write_folder(folder)
-    monkeypatch.setattr(module_file, "load_open_clip", nan_for_white_images)
+    monkeypatch.setattr(checkpoint_file, "load_open_clip", nan_for_white_images)
     args = tiny_args(tiny_clip, folder, out, "--trainer.enable_progress_bar", "false")
     with pytest.warns(UserWarning, match="Skipping sample"):
         main(args)

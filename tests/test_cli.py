@@ -24,6 +24,7 @@ from frolic_tta.data import DATASETS, STANDARD_SPLITS, canonical_dataset_name
 from frolic_tta.lightning.cli import FrolicCLI, main
 from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
+from tests.noise import assert_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -115,11 +116,11 @@ def ddp_then_single(tiny_clip, image_folder, tmp_path_factory):
     shutil.copytree(out, out.parent / "ddp_copy")
     one = run_train(tiny_args(tiny_clip, image_folder, out, "--trainer.devices", "1"))
     assert one.returncode == 0, one.stderr[-3000:]
-    return ddp, read_report(out), one.stdout
+    return ddp, read_report(out), one.stdout, two.stderr
 
 
 def test_report_files(ddp_then_single, tiny_clip, image_folder):
-    _, single, stdout = ddp_then_single
+    _, single, stdout, _ = ddp_then_single
     metrics, rows, logits = single["metrics"], single["rows"], single["logits"]
     assert metrics["num_samples"] == N and metrics["num_classes"] == 3
     assert metrics["labelled"] and metrics["dataset"] == "folder"
@@ -170,8 +171,14 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
     assert head.tau_g == pytest.approx(metrics["tau_g"])
 
 
+def test_a_successful_ddp_run_is_quiet(ddp_then_single):
+    """No Lightning tips, no library deprecation notices, no escape codes or carriage returns,
+    and each of our warnings once (by rank 0, not once per rank), attributed to our code."""
+    assert_quiet(ddp_then_single[3])
+
+
 def test_one_and_two_devices_agree(ddp_then_single):
-    ddp, single, _ = ddp_then_single
+    ddp, single, _, _ = ddp_then_single
     assert ddp["metrics"]["world_size"] == 2 and single["metrics"]["world_size"] == 1
     assert [r["index"] for r in ddp["rows"]] == [str(i) for i in range(N)]
     assert torch.equal(ddp["logits"]["prediction"], single["logits"]["prediction"])
@@ -426,3 +433,32 @@ def test_head_file_scores_new_images_without_adapting(tiny_clip, image_folder, t
     assert "--model.head_file outputs/<run>/head.pt" in err
     err = one_error_line(tiny_args(tiny_clip, image_folder, tmp_path, "--ckpt_path", head), capsys)
     assert "is not one; to score with the head.pt of a run pass it as --model.head_file" in err
+
+
+def test_a_logger_alone_writes_under_the_outputs_and_config_yaml_stays_there(
+    tiny_clip, image_folder, tmp_path, one_thread
+):
+    out = tmp_path / "out"
+    main(tiny_args(tiny_clip, image_folder, out, "--trainer.logger", "CSVLogger"))
+    assert (out / "config.yaml").is_file() and (out / "metrics.json").is_file()
+    assert list(out.glob("lightning_logs/version_*/metrics.csv"))  # the logger's save_dir
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["trainer"]["logger"]["init_args"]["save_dir"] == str(out)
+
+
+def test_logger_save_dir_comes_from_output_dir_or_the_config(tmp_path):
+    from frolic_tta.lightning.cli import with_logger_save_dir
+
+    argv = ["predict", "--trainer.logger", "CSVLogger", "--output_dir", "o"]
+    assert with_logger_save_dir(argv)[1:5] == [
+        "--trainer.logger", "CSVLogger", "--trainer.logger.save_dir", "o"
+    ]  # fmt: skip
+    config = tmp_path / "c.yaml"
+    config.write_text("output_dir: from_config\n")
+    argv = ["predict", "--config", str(config), "--trainer.logger=TensorBoardLogger"]
+    assert with_logger_save_dir(argv)[-2:] == ["--trainer.logger.save_dir", "from_config"]
+    for same in (
+        ["predict", "--trainer.logger", "false"],
+        ["predict", "--trainer.logger", "CSVLogger", "--trainer.logger.save_dir", "x"],
+    ):
+        assert with_logger_save_dir(same) == same  # fmt: skip

@@ -132,7 +132,7 @@ def test_model_without_logit_scale_asks_for_a_float(monkeypatch):
     with pytest.raises(ValueError, match=r"has None; pass a float instead, e.g. tau_c=0.01"):
         model_temperature(torch.nn.Linear(2, 2))
     fake = (torch.nn.Identity(), None, None)
-    monkeypatch.setattr("frolic_tta.lightning.module.load_open_clip", lambda *a: fake)
+    monkeypatch.setattr("frolic_tta.lightning.checkpoint.load_open_clip", lambda *a: fake)
     with pytest.raises(ValueError, match=r"^Expected the model to have a scalar learned"):
         module_for("any", None)
     assert module_for("any", None, tau_c=0.01).tau_c == 0.01

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import frolic_tta
-import frolic_tta.lightning.module as module_file
+import frolic_tta.lightning.checkpoint as ckpt_file
 from frolic_tta import FrolicModule, FrolicPredictionWriter, join_predictions
 from frolic_tta.clip.loading import WeightsNotFoundError
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
@@ -349,7 +349,7 @@ def test_checkpoints_self_contained_or_head_only(tiny_clip, tmp_path, monkeypatc
     def no_weights(*args, **kwargs):
         raise AssertionError("a self-contained checkpoint must not read or download weights")
 
-    monkeypatch.setattr(module_file, "load_open_clip", no_weights)
+    monkeypatch.setattr(ckpt_file, "load_open_clip", no_weights)
     restored = FrolicModule.load_from_checkpoint(full)
     restored.reuse_head = True
     again = concat_outputs(make_trainer().predict(restored, loader(30)))

@@ -213,9 +213,36 @@ def test_oracle_row_on_confident_bayes_posteriors_is_no_worse_than_f_f():
 
 
 def test_features_on_the_prototypes_get_the_smallest_ridge_with_a_warning():
+    """No scatter at all: Sigma is rounding noise, so the head depends on the ridge (warned)."""
     _, prototypes = unit_world()
     features = prototypes[torch.arange(30) % 3]  # no within-class scatter at all
-    with pytest.warns(UserWarning, match=r"added \S+ I to make it positive definite"):
+    with pytest.warns(UserWarning, match=r"added \S+ I to make it positive definite, which"):
         result = frolic_tta.frolic(features, prototypes)
     assert bool(torch.isfinite(result.logits).all())
     assert frolic_tta.accuracy(result.logits, torch.arange(30) % 3) == 1.0
+
+
+@pytest.mark.parametrize("off_range", [1e-10, 0.0])
+def test_a_ridge_is_warned_about_only_when_it_changes_the_head(off_range, monkeypatch):
+    """A scatter with an eigenvalue below rounding (-1e-13): Cholesky fails and a ridge is
+    added. Where the class means differ along that direction by about the ridge, the head's
+    direction depends on the ridge and a warning says so; where they do not differ there, any
+    ridge gives the same head and nothing is said."""
+    import warnings
+
+    from frolic_tta import gda
+
+    sigma = torch.diag(torch.tensor([1.0, -1e-13], dtype=torch.float64))
+    means = torch.tensor([[1.0, off_range], [-1.0, -off_range]], dtype=torch.float64)
+    weights = torch.full((2,), 0.5, dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+    sums = gda.MomentSums(torch.tensor(2.0, dtype=torch.float64), zero, sigma, weights, means)
+    monkeypatch.setattr(gda, "shared_covariance", lambda *args: (sigma, means, weights, 0.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        head = gda.fit_gaussian_head(sums, means.float(), "soft", "auto")
+    assert bool(torch.isfinite(head.weight).all())
+    said = [w for w in caught if "positive definite, which" in str(w.message)]
+    assert len(said) == (1 if off_range else 0), [str(w.message) for w in caught]
+    if off_range:
+        assert said[0].filename.endswith("gda.py")  # attributed to our code

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,9 +17,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
-from tqdm import tqdm
 
 from frolic_tta.data.datasets import canonical_dataset_name
+from frolic_tta.errors import warn
+from frolic_tta.progress import progress as progress_bar
 
 __all__ = [
     "DATASET_TEMPLATES",
@@ -201,11 +201,9 @@ def build_class_prompts(
         raise ValueError(f"class names must be non-empty strings; empty at indices {empty[:10]}")
     duplicates = sorted(c for c, n in Counter(names).items() if n > 1)
     if duplicates:
-        warnings.warn(
+        warn(
             f"duplicate class names {duplicates} are kept as separate classes "
             f"(K={len(names)}); their prototypes will be identical",
-            UserWarning,
-            stacklevel=2,
         )
     if templates is None and descriptions is None:
         raise ValueError("build_class_prompts needs templates or descriptions; got neither")
@@ -250,7 +248,8 @@ def encode_prototypes(
         class_prompts: ``K`` non-empty lists of prompts (see :func:`build_class_prompts`).
         batch_size: Prompts encoded per forward pass.
         device: Where to run and return; default: the model's device.
-        progress: Show a tqdm progress bar over the prompts (e.g. on rank 0 only).
+        progress: Show progress over the prompts (e.g. on rank 0 only): a tqdm bar at a
+            terminal, a few plain lines in a log file.
 
     Returns:
         ``(K, d)`` float32 unit-norm prototypes on ``device``.
@@ -275,7 +274,7 @@ def encode_prototypes(
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
-    bar = tqdm(total=len(flat), desc="Encoding prompts", unit="prompt", disable=not progress)
+    bar = progress_bar(len(flat), "Encoding prompts", "prompt", enabled=progress)
     try:
         pending: list[torch.Tensor] = []
         available = 0

@@ -74,6 +74,7 @@ class _IndexedDataModule(L.LightningDataModule):
         feature_store: str | None = None,
         feature_store_dtype: str = "float32",
         feature_store_mode: str = "auto",
+        feature_store_verify: bool = False,
     ) -> None:
         super().__init__()
         if feature_store_dtype not in DTYPES:
@@ -89,6 +90,7 @@ class _IndexedDataModule(L.LightningDataModule):
         self.feature_store = feature_store
         self.feature_store_dtype = feature_store_dtype
         self.feature_store_mode = feature_store_mode
+        self.feature_store_verify = bool(feature_store_verify)
         #: Where the features come from, in words (``metrics.json``'s ``"features"``).
         self.feature_source = "encoded"
         self._limit = limit
@@ -173,6 +175,7 @@ class _IndexedDataModule(L.LightningDataModule):
             self._limit,
             len(self.source),  # type: ignore[arg-type]
             self.paths,
+            verify=self.feature_store_verify,
         )
         folder = Path(self.feature_store)  # type: ignore[arg-type]
         mode = self.feature_store_mode
@@ -292,6 +295,8 @@ class FrolicDataModule(_IndexedDataModule):
         feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
         feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
             (encode and replace it).
+        feature_store_verify: key the store by every image's content (SHA-256) instead of
+            its size and modification time (:mod:`frolic_tta.data.store_key`).
     """
 
     def __init__(
@@ -310,6 +315,7 @@ class FrolicDataModule(_IndexedDataModule):
         feature_store: str | None = None,
         feature_store_dtype: StoreDtype = "float32",
         feature_store_mode: StoreMode = "auto",
+        feature_store_verify: bool = False,
     ) -> None:
         key = str(dataset).strip().lower()
         if key in ("folder", "unlabeled"):
@@ -321,7 +327,7 @@ class FrolicDataModule(_IndexedDataModule):
             source, split_source = loaded.dataset, loaded.split_source
             names = override_class_names(class_names, loaded.class_names, f"dataset {key!r}")
         labeled = key != "unlabeled"
-        store = (feature_store, feature_store_dtype, feature_store_mode)
+        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify)
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = key
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
@@ -346,6 +352,8 @@ class ImageFolderDataModule(_IndexedDataModule):
         feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
         feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
             (encode and replace it).
+        feature_store_verify: key the store by every image's content (SHA-256) instead of
+            its size and modification time (:mod:`frolic_tta.data.store_key`).
     """
 
     def __init__(
@@ -360,9 +368,10 @@ class ImageFolderDataModule(_IndexedDataModule):
         feature_store: str | None = None,
         feature_store_dtype: StoreDtype = "float32",
         feature_store_mode: StoreMode = "auto",
+        feature_store_verify: bool = False,
     ) -> None:
         source, names = _folder_source(root, labeled, class_names)
-        store = (feature_store, feature_store_dtype, feature_store_mode)
+        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify)
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = "folder" if labeled else "unlabeled"
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from frolic_tta.data.imagenet import (
     metadata,
 )
 from frolic_tta.data.indexed import DatasetNotFoundError, SplitFileDataset
+from frolic_tta.errors import warn
 
 __all__ = [
     "DATASETS",
@@ -350,11 +350,9 @@ def build_dataset(
         _remove_if_empty(folders)
         raise _not_found(spec, path, download, exc) from None
     if spec.splits is None and split != "all":
-        warnings.warn(
+        warn(
             f"{spec.title} has no official {split!r} split here; using all {len(dataset)} "
             f"images (pass --data.split_file with a CoOp split JSON for the standard split)",
-            UserWarning,
-            stacklevel=2,
         )
     return dataset, class_names
 

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from frolic_tta.data.datasets import DATASETS, build_dataset, canonical_dataset_name
 from frolic_tta.data.indexed import DatasetNotFoundError, SplitFileDataset
+from frolic_tta.errors import warn
 
 __all__ = [
     "STANDARD_SPLITS",
@@ -121,7 +122,7 @@ def find_standard_split(
     tried = ", ".join(f"'{d}'" for d in candidates)
     raise DatasetNotFoundError(
         f"split file '{split_file}' lists '{first}', which is in none of {tried}; put the "
-        f"images there (see README) or pass --data.split_file and --data.image_dir"
+        f"images there (see docs/cli.md) or pass --data.split_file and --data.image_dir"
     )
 
 
@@ -191,11 +192,9 @@ def load_dataset(
         warnings.simplefilter("ignore", UserWarning)  # replaced by the warning below
         dataset, names = build_dataset(key, root, split="all", download=download)
     where = " or ".join(f"'{Path(root) / folder}'" for folder in standard.folders)
-    warnings.warn(
+    warn(
         f"{spec.title}: no standard {split!r} split found (looked for {standard.file} in "
         f"{where}); using all {len(dataset)} images. CoOp's DATASETS.md ({COOP_DATASETS_URL}) "
         f"links the file; put it in that folder, or pass --data.split_file.",
-        UserWarning,
-        stacklevel=2,
     )
     return LoadedDataset(dataset, names, "all images (no standard split found)")

@@ -14,8 +14,13 @@ a path), the weights (the open_clip tag, or a SHA-256 of the checkpoint file or 
 folder), the image preprocessing, the dataset, its split, ``limit``, N and a hash of the
 per-index file paths (relative to their common folder, so a moved dataset still matches) and
 file sizes. A store is read only when its key equals the run's; anything else (another key, a
-shard missing, changed or unreadable, an index missing or twice) raises
-:class:`FeatureStoreError` with one sentence, and nothing is reused.
+shard missing, changed or unreadable, an index missing or twice, a manifest naming a file
+outside the store) raises :class:`FeatureStoreError` with one sentence, and nothing is reused.
+
+**Concurrent writers.** A run writes its shards and manifest into a private folder beside the
+store (:func:`staging_dir`) and publishes it whole by renaming (:func:`publish`); an earlier
+store is moved aside first and deleted. A reader sees a complete store or none, never shards of
+two runs under one manifest; of two runs writing one store, the one that publishes last stays.
 
 Shapes: N samples, d embedding dim.
 """
@@ -23,8 +28,11 @@ Shapes: N samples, d embedding dim.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
+import shutil
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +65,9 @@ __all__ = [
     "load_store",
     "preprocess_signature",
     "samples_fingerprint",
+    "publish",
     "shard_name",
+    "staging_dir",
     "weights_fingerprint",
     "write_manifest",
     "write_shard",
@@ -183,6 +193,35 @@ def write_manifest(
     return manifest
 
 
+def staging_dir(directory: str | os.PathLike[str]) -> Path:
+    """A new private folder beside ``directory`` for one run's store before it is published."""
+    target = Path(directory)
+    return target.parent / f".{target.name}.writing-{uuid.uuid4().hex[:12]}"
+
+
+def publish(staging: str | os.PathLike[str], directory: str | os.PathLike[str]) -> None:
+    """Move the finished store ``staging`` to ``directory`` by renaming; a store already there
+    (another run's, or an earlier one) is moved aside and deleted."""
+    staging, target = Path(staging), Path(directory)
+    for _ in range(10):  # another run may publish between our two renames
+        if target.exists():
+            aside = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+            try:
+                target.rename(aside)
+            except FileNotFoundError:
+                aside = None
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+        try:
+            staging.rename(target)
+            return
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    raise FeatureStoreError(f"Expected to publish the feature store '{target}', but other runs "
+                            "kept replacing it: write it once, then read it")  # fmt: skip
+
+
 # ------------------------------------------------------------------ reading
 def _load_shard(path: Path, folder: Path) -> dict[str, Tensor]:
     if not path.is_file():
@@ -256,6 +295,12 @@ def load_store(
             f"Expected a readable {MANIFEST} in the feature store '{folder}', but got "
             f"{_short(error)}: delete the store and encode again"
         ) from None
+    outside = [name for name, _, _ in shards if name in ("", ".", "..") or Path(name).name != name]
+    if outside:
+        raise FeatureStoreError(
+            f"Expected the shards listed in the {MANIFEST} of the feature store '{folder}' to be "
+            f"files inside it, but it lists {outside[0]!r}: delete the store and encode again"
+        )
     if key is not None:
         check_key(manifest.get("key", {}), key, folder)
         if key.get("num_samples", n) != n:

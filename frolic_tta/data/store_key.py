@@ -4,8 +4,15 @@ beyond reading the files it hashes).
 :func:`feature_key` is compared by :func:`frolic_tta.data.store.load_store`; its parts are the
 model (name, and a hash of its config file when it is a path), the weights (the open_clip tag,
 or a SHA-256 of the checkpoint file or ``local-dir:`` folder), the image preprocessing, the
-dataset, split, ``limit``, N and a hash of the per-index file paths (relative to their common
-folder) and file sizes.
+dataset, split, ``limit``, N and a hash of the per-index files (:func:`samples_fingerprint`).
+
+**When a changed image is noticed.** By default each file enters the key by its path (relative
+to the common folder), size and modification time in nanoseconds: replacing, rewriting or
+touching an image changes the key, and the store is not reused; moving the dataset keeps it
+when the times are kept (``mv``, ``cp -p``, ``rsync -a``). A file rewritten with the same size
+*and* its old time restored (``touch -r``, some archive tools) is not noticed: for that, the
+full-hash mode ``--data.feature_store_verify true`` hashes every file's content instead (reads
+every image once more; a store is read only in the mode it was written in, ``samples_rule``).
 """
 
 from __future__ import annotations
@@ -26,15 +33,20 @@ __all__ = [
     "weights_fingerprint",
 ]
 
-FORMAT = 1
-"""Version of the store layout (part of the key)."""
+FORMAT = 2
+"""Version of the store layout (part of the key; 2: file times or content in the key)."""
 
 
-def file_sha256(path: str | os.PathLike[str], _cache: dict[Any, str] = {}) -> str:  # noqa: B006
-    """SHA-256 of a file, remembered per (path, size, mtime) within the process."""
+def file_sha256(
+    path: str | os.PathLike[str],
+    remember: bool = True,
+    _cache: dict[Any, str] = {},  # noqa: B006
+) -> str:
+    """SHA-256 of a file, remembered per (path, size, mtime) within the process (``remember``
+    ``False``: always read)."""
     stat = Path(path).stat()
     marker = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-    if marker not in _cache:
+    if marker not in _cache or not remember:
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
@@ -78,11 +90,16 @@ def preprocess_signature(transform: Any) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
 
 
-def samples_fingerprint(paths: Sequence[str] | None) -> str | None:
-    """SHA-256 of the per-index file paths, relative to their common folder, and file sizes.
+SAMPLES_RULES = {False: "path+size+mtime", True: "path+sha256"}
+"""How each file enters :func:`samples_fingerprint`: by its size and time, or by its content."""
 
-    A moved dataset keeps its fingerprint; another folder with the same file names almost
-    surely does not (its files differ in size). ``None`` when the paths are unknown.
+
+def samples_fingerprint(paths: Sequence[str] | None, verify: bool = False) -> str | None:
+    """SHA-256 over the per-index files: relative path, size and modification time (ns), or
+    with ``verify`` relative path and the SHA-256 of the content.
+
+    A moved dataset keeps its fingerprint (when its file times are kept); a replaced or
+    rewritten image changes it. ``None`` when the paths are unknown.
     """
     if not paths:
         return None
@@ -92,10 +109,15 @@ def samples_fingerprint(paths: Sequence[str] | None) -> str | None:
     digest = hashlib.sha256()
     for path in paths:
         try:
-            size = os.stat(path).st_size
+            stat = os.stat(path)
+            what = (
+                file_sha256(path, remember=False)
+                if verify
+                else f"{stat.st_size}\t{stat.st_mtime_ns}"
+            )
         except OSError:
-            size = -1
-        digest.update(f"{os.path.relpath(os.path.abspath(path), base)}\t{size}\n".encode())
+            what = "unreadable"
+        digest.update(f"{os.path.relpath(os.path.abspath(path), base)}\t{what}\n".encode())
     return digest.hexdigest()
 
 
@@ -108,6 +130,7 @@ def feature_key(
     limit: int | None,
     num_samples: int,
     paths: Sequence[str] | None,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """The key of a store: everything that decides which features a run encodes.
 
@@ -123,5 +146,6 @@ def feature_key(
         "split": split,
         "limit": limit,
         "num_samples": int(num_samples),
-        "samples": samples_fingerprint(paths),
+        "samples": samples_fingerprint(paths, verify),
+        "samples_rule": SAMPLES_RULES[bool(verify)],
     }

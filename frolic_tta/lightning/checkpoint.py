@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from frolic_tta.clip.loading import load_open_clip, load_open_clip_architecture
 from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicHead
+from frolic_tta.lightning.provenance import KEY as PROVENANCE
+from frolic_tta.lightning.provenance import check_provenance, encoder_identity, prompts_sha256
 
 CLIP_PREFIX = "clip."
 """State-dict prefix of the frozen open_clip model inside ``FrolicModule``."""
@@ -54,10 +58,26 @@ def peek_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
-    """The adapted head stored in ``path`` and its class names (``None`` if not stored).
+@dataclass(frozen=True)
+class StoredHead:
+    """What a head file holds: the ``head``, its ``class_names`` and ``provenance`` (``None``
+    where not recorded), and for a checkpoint with CLIP weights their ``clip_state`` (without
+    the ``clip.`` prefix) and the ``model_name`` and ``pretrained`` it was built with."""
 
-    ``path`` is the ``head.pt`` of a finished run or a checkpoint saved after predict.
+    path: str
+    head: FrolicHead
+    class_names: list[str] | None
+    provenance: dict[str, Any] | None
+    clip_state: dict[str, Tensor] | None = None
+    model_name: str | None = None
+    pretrained: str | None = None
+
+
+def read_stored_head(path: str | Path) -> StoredHead:
+    """The adapted head stored in ``path`` with what it remembers (:class:`StoredHead`).
+
+    ``path`` is the ``head.pt`` of a finished run or a checkpoint saved after predict
+    (``--save_checkpoint``, ``trainer.save_checkpoint``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -79,8 +99,68 @@ def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
     head = FrolicHead.from_state_dict(
         {k: v.clone() if isinstance(v, Tensor) else v for k, v in state["frolic_head"].items()}
     )
-    names = state.get("class_names") or state.get("hyper_parameters", {}).get("class_names")
-    return head, list(names) if names is not None else None
+    hparams = state.get("hyper_parameters", {})
+    names = state.get("class_names") or hparams.get("class_names")
+    weights = state.get("state_dict") or {}
+    clip_state = {k[len(CLIP_PREFIX) :]: v for k, v in weights.items() if k.startswith(CLIP_PREFIX)}
+    return StoredHead(
+        path=str(path),
+        head=head,
+        class_names=list(names) if names is not None else None,
+        provenance=state.get(PROVENANCE),
+        clip_state=clip_state or None,
+        model_name=hparams.get("model_name"),
+        pretrained=hparams.get("pretrained"),
+    )
+
+
+def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
+    """The adapted head stored in ``path`` and its class names (``None`` if not stored)."""
+    stored = read_stored_head(path)
+    return stored.head, stored.class_names
+
+
+def clip_from_checkpoint(stored: StoredHead, model_name: str) -> tuple[torch.nn.Module, Any, Any]:
+    """The CLIP model a checkpoint carries: its architecture and preprocessing, its weights.
+
+    Raises:
+        FrolicInputError: ``model_name`` is not the checkpoint's, or its weights do not fit.
+    """
+    if stored.model_name is not None and model_name != stored.model_name:
+        raise FrolicInputError(
+            f"Expected `model_name` {stored.model_name!r}, the encoder whose weights the "
+            f"checkpoint '{stored.path}' carries, but got {model_name!r}: pass "
+            f"--model.model_name {stored.model_name} (its CLIP weights are used; `pretrained` "
+            "is not read)"
+        )
+    clip, preprocess, tokenizer = load_open_clip_architecture(model_name, stored.pretrained)
+    try:
+        clip.load_state_dict(stored.clip_state or {}, strict=True)
+    except RuntimeError as error:
+        raise FrolicInputError(
+            f"Expected the CLIP weights in '{stored.path}' to fit {model_name!r}, but loading "
+            f"them failed: {str(error).splitlines()[0]}"
+        ) from None
+    clip.eval().requires_grad_(False)
+    return clip, preprocess, tokenizer
+
+
+def load_clip(
+    model_name: str, pretrained: str | None, stored: StoredHead | None, weights_follow: bool
+) -> tuple[torch.nn.Module, Any, Any, dict[str, Any] | None]:
+    """``(clip, preprocess, tokenizer, encoder identity)`` of a ``FrolicModule``.
+
+    The CLIP weights a ``head_file`` checkpoint carries; the architecture alone when
+    ``weights_follow`` (``load_from_checkpoint`` of a self-contained checkpoint: weights and
+    identity come with ``on_load_checkpoint``); else ``pretrained``'s weights.
+    """
+    if stored is not None and stored.clip_state is not None:
+        identity = (stored.provenance or {}).get("encoder")
+        return (*clip_from_checkpoint(stored, model_name), identity)
+    if weights_follow:
+        return (*load_open_clip_architecture(model_name, pretrained), None)
+    clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
+    return clip, preprocess, tokenizer, encoder_identity(model_name, pretrained, clip, preprocess)
 
 
 def drop_clip_weights(checkpoint: dict[str, Any]) -> None:
@@ -135,6 +215,14 @@ class CheckpointHooks:
     clip: torch.nn.Module
     reuse_head: bool
     class_names: list[str] | None
+    encoder_: dict[str, Any] | None
+
+    def provenance(self) -> dict[str, Any]:
+        """What the head is fitted with (:mod:`.provenance`): ``encoder``, ``class_names``,
+        ``prompts_sha256``."""
+        names, hp = self.class_names, self.hparams
+        digest = prompts_sha256(names, hp.templates, hp.prompts_file) if names else None
+        return {"encoder": self.encoder_, "class_names": names, "prompts_sha256": digest}
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,6 +238,7 @@ class CheckpointHooks:
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.head is not None:
             checkpoint["frolic_head"] = self.head.state_dict()
+        checkpoint[PROVENANCE] = self.provenance()
         hparams = checkpoint.get("hyper_parameters", {})
         hparams.update(head_file=None, reuse_head=self.reuse_head, class_names=self.class_names)
         if not self.hparams.save_clip_weights:
@@ -159,4 +248,14 @@ class CheckpointHooks:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "frolic_head" in checkpoint:
             self.head = FrolicHead.from_state_dict(checkpoint["frolic_head"])
+        stored = checkpoint.get(PROVENANCE)
+        if self.encoder_ is None:  # the weights are the checkpoint's own: so is their identity
+            self.encoder_ = (stored or {}).get("encoder")
+        elif "frolic_head" in checkpoint:  # head-only: weights loaded from `pretrained` again
+            check_provenance(
+                stored,
+                self.provenance(),
+                "the checkpoint's head",
+                allow_mismatch=bool(self.hparams.get("allow_head_mismatch", False)),
+            )
         restore_clip_weights(checkpoint, self.clip)

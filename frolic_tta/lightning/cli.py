@@ -13,17 +13,30 @@
   there (options under ``--report.*``);
 * checks what is cheap to check (options, templates, prompts file, head file, ``ckpt_path``,
   ``limit_predict_batches``, samples per process) before data, weights or DDP processes;
+* reads ``--ckpt_path`` as ``--model.head_file``: the **command line wins** (Lightning's own
+  re-parsing of the checkpoint's hyperparameters over the command line is switched off); the
+  checkpoint gives the head, its class names and its CLIP weights, and is refused when it was
+  fitted with another encoder or other prompts;
+* ``--save_checkpoint PATH`` writes a self-contained checkpoint of the adapted model after
+  predict (CLIP weights and head: ``--model.head_file PATH`` scores with it later);
 * turns user errors (and a feature store that does not fit the run) into one error line and
-  exit status 2 (:func:`main`).
+  exit status 2 (:func:`main`), whichever DDP rank raised.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import (
+    ArgsType,
+    LightningArgumentParser,
+    LightningCLI,
+    SaveConfigCallback,
+)
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
@@ -31,13 +44,22 @@ from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
 from frolic_tta.clip.prompts import load_descriptions, resolve_templates
 from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F401 (CLI short names)
 from frolic_tta.data.datamodules import check_samples_per_rank
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.errors import FrolicInputError, write_error
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
+from frolic_tta.lightning.entry import (
+    RUN,
+    error_folder,
+    error_of_another_rank,
+    leave_error,
+    quiet_libraries,
+    unwritable_message,
+)
 from frolic_tta.lightning.module import FrolicModule
+from frolic_tta.lightning.progress import LineProgressBar
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
 
-__all__ = ["FrolicCLI", "FrolicCLIError", "main"]
+__all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
@@ -86,6 +108,22 @@ def root_cause(error: BaseException) -> BaseException:
         error = inner
 
 
+class OutputDirConfig(SaveConfigCallback):
+    """Lightning's ``config.yaml`` writer that also writes it to ``--output_dir`` when a logger
+    moves Lightning's copy into the logger's folder (``--trainer.logger CSVLogger``)."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        first = not self.already_saved
+        log_dir = trainer.log_dir  # a broadcast: every rank calls it
+        super().setup(trainer, pl_module, stage)
+        output_dir = Path(trainer.default_root_dir)
+        if first and trainer.is_global_zero and Path(log_dir or output_dir) != output_dir:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(output_dir / self.config_filename),
+                             skip_none=False, overwrite=True, multifile=self.multifile)  # fmt: skip
+
+
 class FrolicCLI(LightningCLI):
     """LightningCLI for Frolic: ``predict`` only, report callback and output folder built in.
 
@@ -101,6 +139,7 @@ class FrolicCLI(LightningCLI):
             "model_class": FrolicModule,
             "datamodule_class": L.LightningDataModule,
             "subclass_mode_data": True,
+            "save_config_callback": OutputDirConfig,
             "save_config_kwargs": {"overwrite": True},
             "trainer_defaults": {"logger": False},
             "seed_everything_default": False,
@@ -122,6 +161,13 @@ class FrolicCLI(LightningCLI):
             default="outputs",
             help="Folder for metrics.json, predictions, head and plots (and config.yaml).",
         )
+        parser.add_argument(
+            "--save_checkpoint",
+            type=str | None,
+            default=None,
+            help="After predict, write a self-contained checkpoint of the adapted model "
+            "(CLIP weights and head) to this path; use it as --model.head_file.",
+        )
         parser.add_lightning_class_args(FrolicReport, "report")
         parser.link_arguments("output_dir", "report.output_dir")
         parser.link_arguments("output_dir", "trainer.default_root_dir")
@@ -140,6 +186,14 @@ class FrolicCLI(LightningCLI):
         return require_class_names(class_names)
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse, giving a logger named on the command line without a ``save_dir`` the run's
+        ``--output_dir`` (``--trainer.logger CSVLogger`` alone writes under the outputs)."""
+        if args is None or isinstance(args, list):
+            args = with_logger_save_dir(list(sys.argv[1:] if args is None else args))
+        super().parse_arguments(parser, args)
+
+    @override
     def before_instantiate_classes(self) -> None:
         """Validate what is cheap to check before any data or weights are touched."""
         config = (
@@ -150,8 +204,23 @@ class FrolicCLI(LightningCLI):
         except (TypeError, ValueError, FileNotFoundError) as error:
             raise FrolicCLIError(str(error)) from error
 
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """The command line wins: the checkpoint's hyperparameters are not re-applied over it
+        (``--ckpt_path`` is read as ``--model.head_file``, see :meth:`_check_config`)."""
+
     def _check_config(self, config: Any) -> None:
         model = config.get("model") or {}
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path:
+            self._check_ckpt_path(str(ckpt_path))
+            head_file = model.get("head_file")
+            if head_file and str(head_file) != str(ckpt_path):
+                raise FrolicInputError(
+                    f"Expected one head to score with, but got --ckpt_path '{ckpt_path}' and "
+                    f"--model.head_file '{head_file}': pass one of them"
+                )
+            config["model"]["head_file"], config["ckpt_path"] = str(ckpt_path), None
         if model.get("options") is not None:
             FrolicOptions(**dict(model["options"]))
         check_tau_c(model.get("tau_c", "model"))
@@ -161,10 +230,7 @@ class FrolicCLI(LightningCLI):
         self._head_class_names = None
         if model.get("head_file"):
             self._head_class_names = read_head_file(model["head_file"])[1]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path:
-            self._check_ckpt_path(str(ckpt_path))
-        if model.get("reuse_head") and not (model.get("head_file") or ckpt_path):
+        if model.get("reuse_head") and not model.get("head_file"):
             raise FrolicInputError(
                 "Expected a stored head with --model.reuse_head true, but none is given (a new "
                 "process has no head): pass --model.head_file outputs/<run>/head.pt"
@@ -197,12 +263,40 @@ class FrolicCLI(LightningCLI):
     @override
     def before_predict(self) -> None:
         """Fewer samples than processes: stop before any process is launched."""
+        RUN["world_size"] = self.trainer.world_size
         source = getattr(self.datamodule, "source", None)
         if source is not None:
             try:
                 check_samples_per_rank(len(source), self.trainer.world_size)
             except FrolicInputError as error:
                 raise FrolicCLIError(str(error)) from error
+
+    def after_predict(self) -> None:
+        """``--save_checkpoint``: write the adapted model (CLIP weights and head)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        path = config.get("save_checkpoint")
+        if not path:
+            return
+        self.model.hparams.save_clip_weights = True
+        try:
+            self.trainer.save_checkpoint(path)
+        except OSError as error:
+            raise FrolicCLIError(write_error(path, error)) from None
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The configured Trainer; when stdout is not a terminal (a log file), with
+        :class:`~frolic_tta.lightning.progress.LineProgressBar` instead of tqdm's bar."""
+        config = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if (
+            not sys.stdout.isatty()
+            and config.get("enable_progress_bar", True) is not False
+            and not any(isinstance(callback, ProgressBar) for callback in callbacks)
+        ):  # not saved in config.yaml: the run's configuration is the same at a terminal
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [LineProgressBar()]}
+        return super().instantiate_trainer(**kwargs)
 
     @override
     def instantiate_classes(self) -> None:
@@ -215,20 +309,74 @@ class FrolicCLI(LightningCLI):
             raise
 
 
+def _option(argv: list[str], name: str) -> tuple[int, str] | None:
+    """``(index, value)`` of the last ``name VALUE`` or ``name=VALUE`` in ``argv``, or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = (i + 1, argv[i + 1])
+        elif arg.startswith(name + "="):
+            found = (i, arg.split("=", 1)[1])
+    return found
+
+
+def with_logger_save_dir(argv: list[str]) -> list[str]:
+    """``argv`` plus ``--trainer.logger.save_dir <output_dir>`` where ``--trainer.logger`` names
+    a logger class and no ``save_dir`` is given (the output folder: ``--output_dir``, else the
+    ``--config`` file's ``output_dir``, else ``outputs``)."""
+    logger = _option(argv, "--trainer.logger")
+    if logger is None or logger[1].lower() in ("true", "false", "null", "none", "[]"):
+        return argv
+    if any(arg.startswith("--trainer.logger.save_dir") for arg in argv) or logger[1][:1] in "{[":
+        return argv
+    output_dir = _option(argv, "--output_dir")
+    if output_dir is None and (config := _option(argv, "--config")) is not None:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(config[1]).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            loaded = {}
+        output_dir = (0, loaded.get("output_dir")) if isinstance(loaded, dict) else None
+    folder = output_dir[1] if output_dir and output_dir[1] else "outputs"
+    at = logger[0] + 1
+    return [*argv[:at], "--trainer.logger.save_dir", str(folder), *argv[at:]]
+
+
+def user_message(error: BaseException) -> str | None:
+    """The one line for an error the user fixes (``None``: a bug, shown with its traceback)."""
+    if isinstance(error, FrolicCLIError | FrolicInputError):
+        return str(error)
+    return unwritable_message(error)
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of ``train.py``: run :class:`FrolicCLI`, one line per user error.
 
-    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value)
-    or a :class:`~frolic_tta.errors.FrolicInputError` raised during predict (too many unreadable
-    images, a stored head or a feature store that does not fit) is printed as ``error: ...`` on
-    stderr (by rank 0) and exits with status 2, without a traceback.
+    A :class:`FrolicCLIError` (missing dataset files, missing weights, an invalid option value,
+    an output that cannot be written) or a :class:`~frolic_tta.errors.FrolicInputError` raised
+    during predict (too many unreadable images, a stored head or a feature store that does not
+    fit) is printed as ``error: ...`` on stderr by rank 0 and exits with status 2, without a
+    traceback. Under DDP a rank that raised alone leaves its message for rank 0
+    (:mod:`~frolic_tta.lightning.entry`);
+    rank 0, whose collective then fails, prints that line instead of the collective's error,
+    and the other ranks exit with status 2 silently.
     """
-    try:
-        FrolicCLI(args=args)
-    except (FrolicCLIError, FrolicInputError) as error:
-        if rank_zero_only.rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    quiet_libraries()
+    with error_folder():
+        try:
+            FrolicCLI(args=args)
+        except Exception as error:
+            message = user_message(error)
+            if message is not None:
+                leave_error(message)
+            else:
+                message = error_of_another_rank()
+            if message is None:
+                raise
+            if rank_zero_only.rank == 0:
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 if __name__ == "__main__":  # python -m frolic_tta.lightning.cli predict ... (as train.py)

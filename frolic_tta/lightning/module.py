@@ -53,12 +53,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip.loading import (
-    check_tau_c,
-    load_open_clip,
-    load_open_clip_architecture,
-    model_temperature,
-)
+from frolic_tta.clip.loading import check_tau_c, model_temperature
 from frolic_tta.clip.prompts import (
     build_class_prompts,
     encode_prototypes,
@@ -71,6 +66,7 @@ from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.lightning import checkpoint as ckpt
 from frolic_tta.lightning import samples
 from frolic_tta.lightning.progress import FinalizeProgress
+from frolic_tta.lightning.provenance import check_provenance
 from frolic_tta.metrics import FrolicMoments, evaluate_rows
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
@@ -105,6 +101,10 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             none: pass ``head_file`` or predict once first).
         head_file: a run's ``head.pt`` or a checkpoint saved after predict: score with its head,
             no adaptation (implies ``reuse_head``); its class names are used if none are given.
+            A checkpoint with CLIP weights brings them (``pretrained`` is not read). The head
+            must have been fitted with this encoder and these prompts (:mod:`.provenance`).
+        allow_head_mismatch: reuse a head fitted with another encoder or other prompts (or
+            recording none) with a warning instead of an error.
         save_clip_weights: checkpoints carry the CLIP weights (self-contained) or only the head.
         max_skipped_fraction: largest share of samples that may be skipped (unreadable file or
             non-finite features) before the run stops with an error.
@@ -125,6 +125,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         return_logits: bool = True,
         reuse_head: bool = False,
         head_file: str | None = None,
+        allow_head_mismatch: bool = False,
         save_clip_weights: bool = True,
         max_skipped_fraction: float = 0.05,
         text_batch_size: int = 256,
@@ -141,18 +142,23 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         if prompts_file is not None:
             load_descriptions(prompts_file)
         samples.check_fraction(max_skipped_fraction)
-        self.head: FrolicHead | None = None
-        if head_file is not None:
-            self.head, names = ckpt.read_head_file(head_file)
-            self.class_names = ckpt.head_class_names(self.head, self.class_names, names)
+        samples.check_sizes(text_batch_size, chunk_size, self.class_names)
+        stored = ckpt.read_stored_head(head_file) if head_file is not None else None
+        self.head: FrolicHead | None = None if stored is None else stored.head
+        if stored is not None:
+            self.class_names = ckpt.head_class_names(
+                self.head, self.class_names, stored.class_names
+            )
         self.reuse_head = reuse_head or head_file is not None
-        if save_clip_weights and ckpt.loading_checkpoint():  # the checkpoint has the weights
-            loaded = load_open_clip_architecture(model_name, pretrained)
-        else:
-            loaded = load_open_clip(model_name, pretrained)
-        self.clip, self.preprocess, self.tokenizer = loaded
+        self.clip, self.preprocess, self.tokenizer, self.encoder_ = ckpt.load_clip(
+            model_name, pretrained, stored, save_clip_weights and ckpt.loading_checkpoint()
+        )
         self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
         ckpt.check_head_dim(self.head, self.clip, model_name)
+        if stored is not None:
+            source = f"`head_file` '{head_file}'"
+            mismatch = allow_head_mismatch
+            check_provenance(stored.provenance, self.provenance(), source, allow_mismatch=mismatch)
         self.images_encoded = 0
         self._reset_run()
         self._reset_epoch()
@@ -214,16 +220,6 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             )
         return self.head.score(self.encode_images(images))
 
-    @staticmethod
-    def _unpack(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None, list[str] | None]:
-        has_input = isinstance(batch, dict) and ("image" in batch or "features" in batch)
-        if not has_input or "index" not in batch:
-            raise ValueError(
-                "Expected each batch to be a dict with 'image' and 'index' (and optionally "
-                f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
-            )
-        return batch.get("image"), batch["index"], batch.get("label"), batch.get("error")
-
     # ------------------------------------------------------------------ hooks
     @override
     def on_predict_start(self) -> None:
@@ -263,7 +259,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
-        images, index, labels, errors = self._unpack(batch)
+        images, index, labels, errors = samples.unpack_batch(batch)
         # stored features (frolic_tta.data.store) skip the encoder; callbacks may read them
         features = batch["features"].float() if images is None else self.encode_images(images)
         self.batch_features = features

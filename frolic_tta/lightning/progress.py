@@ -1,11 +1,15 @@
-"""Finalize talks: its phases, pass counts and time, once per run (rank zero).
+"""Progress that reads well in a terminal and in a log file: the predict bar and finalize.
 
-Finalize runs after the last predict batch, behind a progress bar that already shows the batches
-as done. :class:`FinalizeProgress` says which phase runs (the ``progress`` callback of
-:func:`frolic_tta.fit_frolic`) and, through the counting ``reduce_fn`` every dataset-wide sum goes
-through, how many passes it has made: a line at each phase and at most one every
-``interval`` seconds within a long phase. Lines go through the progress bar's ``print`` (above
-the bar, no escape codes in a log file) or, without a bar, the ``frolic_tta`` logger.
+* :class:`LineProgressBar` is what :class:`~frolic_tta.lightning.cli.FrolicCLI` gives the
+  Trainer when stdout is not a terminal (a log file, a batch job): ``Predicting: 25% (3/12
+  batches)`` at each quarter, on rank 0, with no escape codes. At a terminal Lightning's own
+  tqdm bar stays.
+* :class:`FinalizeProgress`: finalize runs after the last predict batch, behind a bar that
+  already shows every batch as done. It says which phase runs (the ``progress`` callback of
+  :func:`frolic_tta.fit_frolic`) and, through the counting ``reduce_fn`` every dataset-wide sum
+  goes through, how many passes it has made: a line at each phase and at most one every
+  ``interval`` seconds within a long phase, once per run (rank zero), through the progress
+  bar's ``print`` or, without a bar, the ``frolic_tta`` logger.
 """
 
 from __future__ import annotations
@@ -13,11 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 from torch import Tensor
+from typing_extensions import override
 
 from frolic_tta.prior import Priors
+from frolic_tta.progress import LineProgress
+
+__all__ = ["FinalizeProgress", "LineProgressBar"]
 
 log = logging.getLogger("frolic_tta")
 
@@ -91,3 +101,44 @@ class FinalizeProgress:
             bar.print(line)
         else:
             log.info(line)
+
+
+class LineProgressBar(ProgressBar):
+    """A predict progress bar of a few plain lines (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._bar: LineProgress | None = None
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    @override
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @override
+    def on_predict_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        total = int(sum(trainer.num_predict_batches))
+        show = self._enabled and trainer.is_global_zero
+        self._bar = LineProgress(total, self.predict_description, "batch") if show else None
+
+    @override
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:  # fmt: skip
+        if self._bar is not None:
+            self._bar.update(1)
+
+    @override
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

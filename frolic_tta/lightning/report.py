@@ -41,16 +41,33 @@ from typing_extensions import override
 from frolic_tta.data.indexed import dataset_paths
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
-from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions
+from frolic_tta.lightning.provenance import KEY as PROVENANCE
+from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
 from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
 
 
 def _short(value: Any) -> str:
-    """A model name for titles: the file name of a path, else the value."""
+    """A model name for titles: ``hf-hub:org/name`` as it is, ``local-dir:`` with the folder's
+    name, the file name of a path, else the value."""
     text = str(value)
+    if text.startswith("hf-hub:"):
+        return text
+    if text.startswith("local-dir:"):
+        return "local-dir:" + Path(text[len("local-dir:") :]).name
     return Path(text).name if "/" in text else text
+
+
+def _float32(value: float) -> float:
+    """A float32 metric to the digits it holds: 0.79, not 0.7899999618."""
+    return float(f"{value:.7g}")
+
+
+def _ratio(value: float, count: int) -> float:
+    """An accuracy over ``count`` samples as the exact ratio it is (float32 in, float64 out)."""
+    hits = round(value * count)
+    return hits / count if count and abs(value * count - hits) < 1e-2 else _float32(value)
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:
@@ -141,12 +158,13 @@ class FrolicReport(FrolicPredictionWriter):
         datamodule = getattr(trainer, "datamodule", None)
         paths = getattr(datamodule, "paths", None) or dataset_paths(_loader_dataset(trainer))
         self._write_csv(out / "predictions.csv", joined, names, paths)
-        torch.save({**joined, "class_names": names}, out / "logits.pt")
-        torch.save(
+        save_file({**joined, "class_names": names}, out / "logits.pt")
+        save_file(
             {
                 "frolic_head": _cpu(head.state_dict()),
                 "classifier": _cpu(module.adapted_classifier().state_dict()),
                 "class_names": names,
+                PROVENANCE: getattr(module, "provenance", lambda: None)(),
             },
             out / "head.pt",
         )
@@ -217,13 +235,13 @@ class FrolicReport(FrolicPredictionWriter):
         metrics = dict(getattr(module, "metrics_", {}))
         scores = {
             kind: {
-                row: metrics[metric_key(row, kind)]
+                row: _float32(metrics[metric_key(row, kind)])
                 for row in ROWS
                 if metric_key(row, kind) in metrics
             }
             for kind in ROW_METRICS
         }
-        accuracy = scores.pop("acc")
+        accuracy = {row: _ratio(v, num_evaluated) for row, v in scores.pop("acc").items()}
         if not accuracy and num_evaluated:  # a stored head: f_d's top-1 only
             correct = int((joined["prediction"][evaluated] == target[evaluated]).sum())
             accuracy = {"f_d": correct / num_evaluated}
@@ -240,12 +258,13 @@ class FrolicReport(FrolicPredictionWriter):
         dataset = _loader_dataset(trainer)
         length = len(dataset) if dataset is not None else n
         probability = getattr(module, "class_probability_", {})
+        brings_weights = str(hparams.get("model_name")).startswith(("hf-hub:", "local-dir:"))
         return {
             "dataset": getattr(datamodule, "dataset_name", None) or "custom",
             "split": getattr(datamodule, "split_source", None),
             "model": _short(hparams.get("model_name")),
             "model_name": hparams.get("model_name"),
-            "pretrained": hparams.get("pretrained"),
+            "pretrained": None if brings_weights else hparams.get("pretrained"),
             "num_samples": n,
             "dataset_length": length,
             "num_classes": len(names),
@@ -333,11 +352,17 @@ def _notes(
     return notes
 
 
+def _evidence(ratio: float) -> str:
+    """Lambda as printed: below 0 (EM fit no better than balanced) it is no evidence, 0."""
+    return f"{ratio:.4g}" if ratio > 0 else "0 (no better fit than balanced)"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The terminal table of a :class:`FrolicReport` summary (plain text)."""
     lines = [
-        f"Frolic on {summary['dataset']} with {summary['model']} "
-        f"({_short(summary['pretrained'])}): "
+        f"Frolic on {summary['dataset']} with {summary['model']}"
+        + (f" ({_short(summary['pretrained'])})" if summary.get("pretrained") else "")
+        + ": "
         f"N={summary['num_samples']} samples, K={summary['num_classes']} classes",
     ]
     if summary.get("split"):
@@ -365,7 +390,7 @@ def format_table(summary: dict[str, Any]) -> str:
         balanced = "treated as balanced" if test["shift_weight"] == 0 else "imbalanced"
         lines.append(
             f"  test prior pi: {balanced} (weight {test['shift_weight']:.3g}, likelihood ratio "
-            f"{test['likelihood_ratio']:.4g}), max/min {test['max_over_min']:.3g}"
+            f"{_evidence(test['likelihood_ratio'])}), max/min {test['max_over_min']:.3g}"
         )
     for key, what in (
         ("zero_shot_beta", "pre-training prior of the zero-shot model"),

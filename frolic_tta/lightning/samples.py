@@ -19,14 +19,14 @@ share is exceeded, and after the last batch on the all-reduced counts.
 from __future__ import annotations
 
 import math
-import warnings
+from fractions import Fraction
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.errors import FrolicInputError, warn
 
 NON_FINITE = "non-finite image features (NaN or inf from the encoder, or a zero vector)"
 WARN_FIRST = 5
@@ -42,6 +42,45 @@ def check_fraction(value: float, name: str = "max_skipped_fraction") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"Expected `{name}` to be a number in [0, 1], but got {value!r}")
     return float(value)
+
+
+def check_sizes(text_batch_size: Any, chunk_size: Any, class_names: list[str] | None) -> None:
+    """``text_batch_size`` an int >= 1, ``chunk_size`` ``None`` or an int >= 1, and
+    ``class_names`` ``None`` or at least 2 non-blank names (checked when the module is built,
+    not after every image is encoded).
+
+    Raises:
+        ValueError: any of them is not.
+    """
+    if class_names is not None and (
+        len(class_names) < 2 or not all(c.strip() for c in class_names)
+    ):
+        raise ValueError(
+            "Expected `class_names` to hold at least 2 non-blank names, but got "
+            f"{class_names!r:.200}"
+        )
+    for name, value, optional in (("text_batch_size", text_batch_size, False),
+                                  ("chunk_size", chunk_size, True)):  # fmt: skip
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = "an int >= 1" + (" or None" if optional else "")
+            raise ValueError(f"Expected `{name}` to be {what}, but got {value!r}")
+
+
+def unpack_batch(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None, list[str] | None]:
+    """``(image, index, label, error)`` of a FrolicModule batch (``None`` where absent).
+
+    Raises:
+        ValueError: not a dict with ``"image"`` (or ``"features"``) and ``"index"``.
+    """
+    has_input = isinstance(batch, dict) and ("image" in batch or "features" in batch)
+    if not has_input or "index" not in batch:
+        raise ValueError(
+            "Expected each batch to be a dict with 'image' and 'index' (and optionally "
+            f"'label'); wrap your dataset in frolic_tta.data.IndexedDataset. Got {type(batch)}"
+        )
+    return batch.get("image"), batch["index"], batch.get("label"), batch.get("error")
 
 
 def sample_validity(features: Tensor, errors: list[str] | None) -> tuple[Tensor, list[str]]:
@@ -82,20 +121,21 @@ class SkippedSamples:
             self.records.append({"index": int(i), "reason": reason})
             if len(self.records) <= WARN_FIRST:
                 more = " (further ones are only listed in the report)"
-                warnings.warn(
+                warn(
                     f"Skipping sample {i}: {reason}; it gets no prediction"
                     + (more if len(self.records) == WARN_FIRST else ""),
-                    UserWarning,
-                    stacklevel=3,
+                    per_rank=True,
                 )
         if len(self.records) > self.allowed(self.expected):
             self.stop(len(self.records), self.seen, f"about {self.expected} on this rank")
 
-    def allowed(self, total: int) -> float:
-        """Skipped samples accepted among ``total``: the fraction, but at least one (unless the
-        fraction is 0): a single bad file never stops a run."""
-        limit = self.max_fraction * total
-        return max(limit, 1.0) if self.max_fraction > 0 else limit
+    def allowed(self, total: int) -> int:
+        """Skipped samples accepted among ``total``: ``floor(fraction * total)`` computed
+        exactly on the fraction's decimal value (0.29 of 100 allows 29, where the float product
+        is 28.999...), but at least one (unless the fraction is 0): a single bad file never
+        stops a run."""
+        limit = math.floor(Fraction(repr(self.max_fraction)) * int(total))
+        return max(limit, 1) if self.max_fraction > 0 else limit
 
     def stop(self, skipped: int, seen: int, of: str) -> None:
         """Raise the too-many-skipped error."""

@@ -1,15 +1,18 @@
 """FeatureStoreWriter: save the image features of a predict run as a feature store.
 
 Every rank keeps the features ``FrolicModule.predict_step`` encodes (``batch_features``), with
-the batch's global ``index`` and ``label``; after the epoch each rank writes its shard, all ranks
-meet at a barrier, and rank 0 checks the shards and writes the manifest (last, so an interrupted
-run leaves no store that could be read). The layout and the key are
+the batch's global ``index`` and ``label``; after the epoch each rank writes its shard into this
+run's private folder (:func:`~frolic_tta.data.store.staging_dir`, named by rank 0 and
+broadcast), all ranks meet at a barrier, and rank 0 checks the shards, writes the manifest and
+publishes the folder as the store by renaming it (an interrupted run leaves no store that could
+be read, and two runs writing one store never mix). The layout and the key are
 :mod:`frolic_tta.data.store`'s. ``FrolicDataModule(feature_store=...)`` registers this callback
 itself when it encodes; add it by hand for a DataLoader of your own.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,9 @@ from typing_extensions import override
 
 from frolic_tta.data.store import (
     DTYPES,
-    MANIFEST,
     FeatureStoreError,
+    publish,
+    staging_dir,
     write_manifest,
     write_shard,
 )
@@ -46,16 +50,23 @@ class FeatureStoreWriter(Callback):
         self.key = key
         self.dtype = dtype
         self._parts: list[tuple[Tensor, Tensor, Tensor | None, list[str]]] = []
+        self._staging: Path | None = None
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._parts = []
-        if trainer.is_global_zero:  # no stale manifest or shard survives a new write
-            self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / MANIFEST).unlink(missing_ok=True)
-            for stale in self.directory.glob("features_rank*.pt"):
-                stale.unlink()
+        staging = str(staging_dir(self.directory)) if trainer.is_global_zero else None
+        self._staging = Path(trainer.strategy.broadcast(staging, src=0))
+        if trainer.is_global_zero:
+            self._staging.mkdir(parents=True)
         trainer.strategy.barrier()
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if trainer.is_global_zero and self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
     @override
     def on_predict_batch_end(
@@ -100,7 +111,10 @@ class FeatureStoreWriter(Callback):
                 [p[2] if p[2] is not None else torch.full_like(p[0], -1) for p in parts]
             )
         errors = [reason for p in parts for reason in p[3]]
-        write_shard(self.directory, trainer.global_rank, index, features, labels, errors)
+        if self._staging is None:
+            raise RuntimeError("FeatureStoreWriter: on_predict_start did not run")
+        staging = self._staging
+        write_shard(staging, trainer.global_rank, index, features, labels, errors)
         trainer.strategy.barrier()  # every shard is on disk
         if trainer.is_global_zero:
             written_by = {
@@ -109,9 +123,10 @@ class FeatureStoreWriter(Callback):
                 "open_clip": open_clip.__version__,
             }
             try:
-                write_manifest(self.directory, self.key, trainer.world_size, written_by)
+                write_manifest(staging, self.key, trainer.world_size, written_by)
+                publish(staging, self.directory)
             except FeatureStoreError as error:  # e.g. limit_predict_batches: part of the data
                 rank_zero_warn(f"No feature store written: {error}")
-                for shard in self.directory.glob("features_rank*.pt"):
-                    shard.unlink()
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # gone when published
         trainer.strategy.barrier()

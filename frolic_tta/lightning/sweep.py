@@ -23,6 +23,13 @@ The config (YAML)::
     prompts: {descriptions: {}, templates: {prompts_file: null}}   # --model.* options
     options: {default: {}, paper: {covariance: paper, bias: paper}}  # FrolicOptions fields
 
+**Files and processes.** ``sweep_run.json`` and the tables are written atomically (a temporary
+file renamed over the old one); a run whose marker or ``metrics.json`` cannot be read counts as
+not finished (it runs again), never as an error. A run's process stops with the sweep: on
+SIGTERM or Ctrl-C the sweep terminates it, and on Linux it also gets SIGTERM when the sweep
+process dies (``PR_SET_PDEATHSIG``). A config that is not a YAML mapping of the keys below, or
+with an entry of the wrong type, is refused in one line naming the problem.
+
 ``{dataset}`` and ``{model}`` in any string are replaced by the names. A model may set
 ``paper_backbone`` (``"ViT-B/16"``) when its name does not say which of the paper's backbones it
 is. ``--dry_run`` prints the commands instead (the encoding runs first: submit them, then the
@@ -34,7 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -46,7 +53,15 @@ import yaml
 from frolic_tta.data.datasets import canonical_dataset_name
 from frolic_tta.data.paper_results import backbone_name
 from frolic_tta.data.store import DTYPES, FeatureStoreError
-from frolic_tta.lightning.tables import RunResult, write_results
+from frolic_tta.lightning.sweep_files import (
+    TYPES,
+    SweepError,
+    read_config,
+    read_json,
+    run_child,
+    terminated,
+)
+from frolic_tta.lightning.tables import RunResult, write_atomically, write_results
 from frolic_tta.options import FrolicOptions
 
 __all__ = ["Run", "SweepError", "cli_args", "load_sweep", "main", "plan_runs", "run_sweep"]
@@ -57,10 +72,6 @@ KEYS = {
 }  # fmt: skip
 RUNNERS = ("subprocess", "inprocess")
 DONE = "sweep_run.json"
-
-
-class SweepError(ValueError):
-    """A sweep config that cannot run (the message says what to change)."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +103,12 @@ class Run:
         return f"{self.model} · {self.dataset} · {self.prompts} · {self.options}"
 
     def done(self) -> bool:
-        """Finished earlier with the same arguments."""
-        marker = self.run_dir / DONE
-        if not (marker.is_file() and (self.run_dir / "metrics.json").is_file()):
+        """Finished earlier with the same arguments (a marker or ``metrics.json`` that cannot
+        be read, e.g. truncated by a killed sweep, means not finished)."""
+        marker = read_json(self.run_dir / DONE)
+        if not isinstance(marker, dict) or marker.get("args") != self.args:
             return False
-        return json.loads(marker.read_text()).get("args") == self.args
+        return isinstance(read_json(self.run_dir / "metrics.json"), dict)
 
 
 # ------------------------------------------------------------------ config
@@ -122,10 +134,7 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise SweepError(f"Expected a sweep config file, but '{file}' does not exist")
-    config = yaml.safe_load(file.read_text()) or {}
-    unknown = sorted(set(config) - KEYS)
-    if unknown:
-        raise SweepError(f"Expected sweep config keys among {sorted(KEYS)}, but got {unknown}")
+    config = read_config(file, KEYS, TYPES)
     if "output_dir" not in config or not config.get("models") or not config.get("datasets"):
         raise SweepError(f"Expected `output_dir`, `models` and `datasets` in '{file}'")
     config["models"] = _named(config["models"], "models")
@@ -259,8 +268,7 @@ def _run_subprocess(run: Run, launcher: list[str]) -> str | None:
     command = [*launcher, sys.executable, "-m", "frolic_tta.lightning.cli", *run.args]
     run.run_dir.mkdir(parents=True, exist_ok=True)
     log = run.run_dir / "run.log"
-    with log.open("w") as f:
-        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
+    code = run_child(command, log)
     if code == 0:
         return None
     errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
@@ -302,7 +310,7 @@ def run_sweep(config: dict[str, Any], force: bool = False, echo: Any = print) ->
             broken.add((run.model, run.dataset))
             echo(f"{head}: failed: {error}")
             continue
-        (run.run_dir / DONE).write_text(json.dumps({"args": run.args}, indent=1) + "\n")
+        write_atomically(run.run_dir / DONE, json.dumps({"args": run.args}, indent=1) + "\n")
         ran.append(run.name)
     tables = write_results(config["output_dir"], collect_results(runs))
     echo(f"ran {len(ran)}, skipped {len(skipped)}, failed {len(failed)}; wrote {tables[0]}, "
@@ -318,7 +326,11 @@ def collect_results(runs: list[Run]) -> list[RunResult]:
         if not run.done():
             continue
         saved = run.run_dir / "config.yaml"  # the run's full config, saved by the CLI
-        config = (yaml.safe_load(saved.read_text()) if saved.is_file() else None) or {}
+        try:
+            config = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+        except yaml.YAMLError:
+            config = None
+        config = config if isinstance(config, dict) else {}
         prompts_file = (config.get("model") or run.details["model"]).get("prompts_file")
         try:
             column = canonical_dataset_name(run.dataset)
@@ -326,7 +338,7 @@ def collect_results(runs: list[Run]) -> list[RunResult]:
             column = run.dataset
         results.append(
             RunResult(run.model, run.backbone, column, run.prompts, run.options,
-                      prompts_file is not None, json.loads(metrics_file.read_text()),
+                      prompts_file is not None, read_json(metrics_file),
                       run.run_dir, run.details)
         )  # fmt: skip
     return results
@@ -341,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="run finished runs again")
     parser.add_argument("--runner", choices=RUNNERS, help="override the config's runner")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, terminated)  # a running child is stopped (run_child)
     try:
         config = load_sweep(args.config)
     except SweepError as error:

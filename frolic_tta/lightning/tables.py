@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +92,15 @@ def _row_keys(results: Iterable[RunResult]) -> list[str]:
     return [k for k in ROWS if k in seen] + [k for k in seen if k not in ROWS]
 
 
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``: a reader
+    (or a killed writer) sees the old file or the new one, never a truncated one."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, target)
+
+
 def write_csv(path: Path, results: Sequence[RunResult]) -> None:
     """``results.csv``: one line per (run, row), metric values as ``metrics.json`` has them."""
     metrics: dict[str, None] = {}
@@ -98,19 +109,20 @@ def write_csv(path: Path, results: Sequence[RunResult]) -> None:
             metrics.update(dict.fromkeys(result.values(row)))
     head = ["model", "model_name", "pretrained", "backbone", "dataset", "prompts", "options"]
     tail = ["num_samples", "num_classes", "split", "features", "images_encoded", "run_dir"]
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow([*head, "row", *metrics, *tail])
-        for r in results:
-            m = r.metrics
-            for row in _row_keys([r]):
-                values = r.values(row)
-                writer.writerow(
-                    [r.model, m.get("model_name"), m.get("pretrained"), r.backbone or "",
-                     r.dataset, r.prompts, r.options, row,
-                     *[repr(values[k]) if k in values else "" for k in metrics],
-                     *[m.get(k, "") for k in tail[:-1]], str(r.run_dir)]
-                )  # fmt: skip
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow([*head, "row", *metrics, *tail])
+    for r in results:
+        m = r.metrics
+        for row in _row_keys([r]):
+            values = r.values(row)
+            writer.writerow(
+                [r.model, m.get("model_name"), m.get("pretrained"), r.backbone or "",
+                 r.dataset, r.prompts, r.options, row,
+                 *[repr(values[k]) if k in values else "" for k in metrics],
+                 *[m.get(k, "") for k in tail[:-1]], str(r.run_dir)]
+            )  # fmt: skip
+    write_atomically(path, buffer.getvalue())
 
 
 # ------------------------------------------------------------------ markdown
@@ -250,5 +262,5 @@ def write_results(output_dir: str | Path, results: Sequence[RunResult]) -> tuple
     folder.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = folder / "results.csv", folder / "tables.md"
     write_csv(csv_path, results)
-    md_path.write_text(markdown_tables(results, f"Frolic sweep: {folder}"), encoding="utf-8")
+    write_atomically(md_path, markdown_tables(results, f"Frolic sweep: {folder}"))
     return csv_path, md_path

@@ -12,6 +12,18 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 from typing_extensions import override
 
+from frolic_tta.errors import FrolicInputError, write_error
+
+
+def save_file(obj: Any, path: str | Path) -> None:
+    """``torch.save`` that turns a failed write (disk full, read-only folder: PyTorch's
+    ``basic_ios::clear: iostream error``) into one :class:`FrolicInputError` naming the path."""
+    try:
+        torch.save(obj, path)
+    except (OSError, RuntimeError) as error:
+        raise FrolicInputError(write_error(path, error)) from None
+
+
 KEYS = ("index", "valid", "prediction", "confidence", "logits", "target")
 FILL = {"target": -1, "valid": True}
 """Value of a per-sample key that some batches (or ranks) lack: no label, not skipped."""
@@ -81,7 +93,10 @@ class FrolicPredictionWriter(BasePredictionWriter):
         predictions: Sequence[Any],
         batch_indices: Sequence[Any],
     ) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise FrolicInputError(write_error(self.output_dir, error)) from None
         outputs = (
             predictions[0] if predictions and isinstance(predictions[0], list) else predictions
         )
@@ -89,7 +104,7 @@ class FrolicPredictionWriter(BasePredictionWriter):
         merged["world_size"] = torch.tensor(trainer.world_size)
         merged["skipped"] = list(getattr(pl_module, "skipped_", []))
         merged["partial"] = predict_is_partial(trainer)
-        torch.save(merged, self.output_dir / f"predictions_rank{trainer.global_rank}.pt")
+        save_file(merged, self.output_dir / f"predictions_rank{trainer.global_rank}.pt")
 
 
 def join_predictions(output_dir: str | Path, dataset_length: int | None = None) -> dict[str, Any]:

@@ -1,0 +1,37 @@
+"""Small truths of the printed table and metrics.json (issue 17, item 7)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from frolic_tta.lightning.report import _evidence, _float32, _ratio, _short, format_table
+
+
+def summary(**changes):
+    base = {
+        "dataset": "folder", "model": "ViT-B-16", "pretrained": "openai", "num_samples": 100,
+        "num_classes": 3, "accuracy": {"f_d": 0.79}, "tau_c": 0.01, "tau_g": 0.02,
+        "test_prior": {"estimated": True, "shift_weight": 0.0, "likelihood_ratio": -3.5,
+                       "max_over_min": 1.0},
+    }  # fmt: skip
+    return base | changes
+
+
+def test_models_that_bring_their_weights_are_titled_with_their_own_name():
+    assert _short("hf-hub:org/some-clip") == "hf-hub:org/some-clip"
+    assert _short("local-dir:/data/models/my-clip") == "local-dir:my-clip"
+    assert _short("/path/to/model.pt") == "model.pt"
+    title = format_table(summary(model="hf-hub:org/some-clip", pretrained=None)).splitlines()[0]
+    assert title.startswith("Frolic on folder with hf-hub:org/some-clip: N=100")
+    assert "(openai)" in format_table(summary()).splitlines()[0]
+
+
+def test_a_balanced_set_prints_no_negative_likelihood_ratio():
+    assert "likelihood ratio 0 (no better fit than balanced)" in format_table(summary())
+    assert _evidence(15.44) == "15.44" and "-" not in _evidence(-1e-9)
+
+
+def test_metrics_are_rounded_to_their_precision():
+    assert _float32(float(np.float32(0.79))) == 0.79
+    assert _ratio(float(np.float32(79 / 100)), 100) == 0.79
+    assert _ratio(float(np.float32(1 / 3)), 3) == 1 / 3
