@@ -165,13 +165,10 @@ class OnlineFrolic:
 
     @property
     def features(self) -> Tensor:
-        """``(N_local, d)`` this shard's features seen so far, in arrival order."""
-        d = self.prototypes.shape[1]
+        """``(N_local, d)`` this shard's features seen so far, in arrival order (a new tensor)."""
         if not self._features:
-            return torch.zeros(0, d, dtype=self.prototypes.dtype, device=self.prototypes.device)
-        if len(self._features) > 1:
-            self._features = [torch.cat(self._features)]
-        return self._features[0]
+            return self.prototypes.new_zeros(0, self.prototypes.shape[1])
+        return torch.cat(self._features)
 
     def _due(self) -> bool:
         k = self.prototypes.shape[0]

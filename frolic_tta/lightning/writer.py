@@ -12,7 +12,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 from typing_extensions import override
 
-KEYS = ("index", "valid", "prediction", "confidence", "logits", "target")
+from frolic_tta.lightning.online import ONLINE_KEYS
+
+KEYS = ("index", "valid", "prediction", "confidence", "logits", "target", *ONLINE_KEYS)
 FILL = {"target": -1, "valid": True}
 """Value of a per-sample key that some batches (or ranks) lack: no label, not skipped."""
 
