@@ -10,7 +10,8 @@ batch's output dict, before anything else reads it:
 * ``online_prediction``, ``online_confidence``: the answer given now (-1 / NaN for skipped
   samples), from the latest refit's :math:`f_d` or zero-shot before the first refit;
 * ``online_step`` (arrival: the step number, the same on every rank), ``online_refit`` (0:
-  zero-shot) and ``online_seen`` (samples seen over all ranks when it was answered);
+  zero-shot), ``online_seen`` (samples seen over all ranks when it was answered) and
+  ``online_fallback`` (answered zero-shot after a refit: its zero-shot class was thin there);
 * ``zero_shot_prediction``: argmax :math:`f_c` (the reference).
 
 A batch-interval writer sees these at once; ``prediction``, ``logits`` and ``confidence`` are
@@ -45,6 +46,7 @@ ONLINE_KEYS = (
     "online_step",
     "online_refit",
     "online_seen",
+    "online_fallback",
     "zero_shot_prediction",
 )
 """Per-sample keys the callback adds to each batch's output."""
@@ -98,7 +100,7 @@ class OnlineAnswers(L.Callback):
             )
         with torch.autocast(module.device.type, enabled=False):
             answer = self.online.step(module._features[-1])  # this batch's usable features
-            fill(outputs, answer.logits, answer.zero_shot)
+            fill(outputs, answer.logits, answer.zero_shot, answer.fallback)
             outputs.update(
                 {
                     key: torch.full_like(outputs["index"], value)
@@ -142,9 +144,9 @@ class OnlineAnswers(L.Callback):
             }
 
 
-def fill(output: dict[str, Tensor], logits: Tensor, zero_shot: Tensor) -> None:
-    """Write the online answer ``logits`` ``(n_valid, K)`` and the zero-shot prediction of the
-    valid rows into ``output`` (-1 / NaN for skipped rows)."""
+def fill(output: dict[str, Tensor], logits: Tensor, zero_shot: Tensor, fallback: Tensor) -> None:
+    """Write the online answer ``logits`` ``(n_valid, K)``, the zero-shot prediction and the
+    zero-shot fallback flag of the valid rows into ``output`` (-1 / NaN / False when skipped)."""
     valid = output["valid"]
     n = valid.shape[0]
     confidence, prediction = torch.softmax(logits.float(), dim=1).max(1)
@@ -154,6 +156,8 @@ def fill(output: dict[str, Tensor], logits: Tensor, zero_shot: Tensor) -> None:
     output["online_prediction"][valid] = prediction.cpu()
     output["online_confidence"][valid] = confidence.cpu()
     output["zero_shot_prediction"][valid] = zero_shot.argmax(1).cpu()
+    output["online_fallback"] = torch.zeros(n, dtype=torch.bool)
+    output["online_fallback"][valid] = fallback.cpu()
 
 
 def arrival_order(joined: dict[str, Any]) -> Tensor:
@@ -222,12 +226,13 @@ def plot_online(joined: dict[str, Any], output_dir: str | Path, title: str = "")
 
 def write_online_csv(path: Path, joined: dict[str, Any], names: list[str]) -> None:
     """``online.csv``: one row per sample in arrival order: ``step, index, online_prediction,
-    online_confidence, refit, seen, zero_shot_prediction, final_prediction[, target]`` (class
-    names; empty for a skipped sample)."""
+    online_confidence, refit, seen, fallback, zero_shot_prediction, final_prediction[, target]``
+    (class names; empty for a skipped sample)."""
     has_target = "target" in joined
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         header = ["step", "index", "online_prediction", "online_confidence", "refit", "seen"]
+        header += ["fallback"]
         header += ["zero_shot_prediction", "final_prediction"]
         writer.writerow(header + (["target"] if has_target else []))
         for i in arrival_order(joined).tolist():
@@ -241,5 +246,6 @@ def write_online_csv(path: Path, joined: dict[str, Any], names: list[str]) -> No
             confidence = f"{float(joined['online_confidence'][i]):.6f}" if ok else ""
             row += [name("online_prediction"), confidence]
             row += [int(joined["online_refit"][i]), int(joined["online_seen"][i])]
+            row += [int(joined["online_fallback"][i])]
             row += [name("zero_shot_prediction"), name("prediction")]
             writer.writerow(row + ([name("target")] if has_target else []))
