@@ -97,12 +97,10 @@ def test_a_first_batch_large_enough_is_answered_by_its_own_fit():
 @pytest.mark.parametrize("order", ["shuffled", "class-ordered", "long-tailed"])
 def test_online_is_never_worse_than_zero_shot_on_the_whole_stream(order):
     x, z, y = stream(order, num_classes=20, n=2000, seed=1)
-    _, answers, fit = run_online(x, z, batch=40)
+    _, answers, _ = run_online(x, z, batch=40)
     online = float((torch.cat([a.logits.argmax(1) for a in answers]) == y).float().mean())
     zero_shot = float(((x @ z.t()).argmax(1) == y).float().mean())
-    final = float((fit.logits.argmax(1) == y).float().mean())
     assert online >= zero_shot - 0.005, (online, zero_shot)
-    assert final > online  # the final pass re-scores the stream with the transductive fit
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # catch_warnings is not thread-safe
