@@ -152,7 +152,10 @@ def table(payload: dict[str, Any]) -> str:
         ]
         for r in payload["rows"]
     ]
-    return common.markdown_table(headers, rows)
+    m = payload["machine"]
+    state = "busy (timings not comparable)" if m["busy_at_start"] or m["busy_at_end"] else "idle"
+    caption = f"\n\n{m['cpu']}, {m['cores']} cores, {m['date']}, commit {m['commit']}: {state}."
+    return common.markdown_table(headers, rows) + caption
 
 
 def main() -> None:
