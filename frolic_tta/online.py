@@ -91,7 +91,7 @@ class OnlineStep:
 
 @dataclass(frozen=True)
 class Refit:
-    """One refit of the stream: its number, the step and count it happened at, and what it
+    r"""One refit of the stream: its number, the step and count it happened at, and what it
     fitted (:math:`\tau_g`, the test prior's shift weight)."""
 
     refit: int
