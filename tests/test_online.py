@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from frolic_tta import fit_frolic
-from frolic_tta.online import OnlineFrolic
+from frolic_tta.online import OnlineFrolic, coverage
 from frolic_tta.synthetic import clip_like_world, shifted_prior
 from tests.sharding import run_sharded
 
@@ -74,6 +74,7 @@ def test_first_batches_answer_zero_shot_until_warmup():
         warnings.simplefilter("ignore", UserWarning)
         second = online.step(x[25:50])  # 50 >= 40: refit on both batches, answer with it
     assert (second.refit, second.seen, second.fitted_on) == (1, 50, 50)
+    assert online.history[-1].coverage >= 0.5  # the refit's head answers
     # f_d of the refit, but zero-shot where the zero-shot class held < 2 samples' mass
     thin = online.fit.sums.soft_count[second.zero_shot.argmax(1)] < 2.0
     assert torch.equal(second.fallback, thin) and 0 < int(thin.sum()) < 25
@@ -128,10 +129,24 @@ def test_sharded_uneven_stream_ends_in_the_single_process_state():
     torch.testing.assert_close(torch.cat([f0.logits, f1.logits]), ref.logits, rtol=0, atol=1e-4)
 
 
+def test_a_prefix_of_few_classes_is_answered_zero_shot():
+    x, z, _ = stream("class-ordered")  # 100 per class: 400 samples hold 4 of 20 classes
+    online = OnlineFrolic(z, tau_c=TAU_C)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        answer = online.step(x[:400])
+    assert answer.refit == 1 and online.history[-1].coverage < 0.5
+    assert answer.fallback.all() and torch.equal(answer.logits, answer.zero_shot)
+    assert coverage(torch.ones(20)) == pytest.approx(1.0)
+    assert coverage(torch.tensor([1.0, 1.0, 0.0, 0.0])) == pytest.approx(0.5)
+
+
 def test_bad_arguments_say_what_was_expected():
     z = torch.eye(3)
     with pytest.raises(ValueError, match="Expected `growth` > 1, but got 1.0"):
         OnlineFrolic(z, growth=1.0)
+    with pytest.raises(ValueError, match=r"Expected `min_coverage` in \[0, 1\], but got 2"):
+        OnlineFrolic(z, min_coverage=2)
     with pytest.raises(ValueError, match="warmup"):
         OnlineFrolic(z, warmup=0.0)
     with pytest.raises(ValueError, match="to have 3 columns"):
