@@ -109,14 +109,16 @@ class OnlineStep:
 
 @dataclass(frozen=True)
 class Refit:
-    r"""One refit of the stream: its number, the step and count it happened at, and what it
-    fitted (:math:`\tau_g`, the test prior's shift weight)."""
+    r"""One refit of the stream: its number, the step and count it happened at, what it fitted
+    (:math:`\tau_g`, the test prior's shift weight) and the coverage of its data (its head
+    answers if it is at least ``min_coverage``)."""
 
     refit: int
     step: int
     seen: int
     tau_g: float
     shift_weight: float
+    coverage: float
 
 
 class OnlineFrolic:
