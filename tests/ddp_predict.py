@@ -1,7 +1,7 @@
 """Run FrolicModule.predict on generated images; used by tests in a subprocess (DDP on CPU).
 
 Usage: python tests/ddp_predict.py CONFIG_JSON CHECKPOINT N BATCH DEVICES STRATEGY OUT_DIR
-       [pad] [nan=INDEX]
+       [pad] [nan=INDEX] [online]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main() -> None:
     config, checkpoint, n, batch, devices, strategy, out_dir = sys.argv[1:8]
     flags = sys.argv[8:]
     pad = "pad" in flags
+    online = "online" in flags
     nan = [int(f.split("=")[1]) for f in flags if f.startswith("nan=")]
     torch.set_num_threads(1)
     dataset = IndexedDataset(GeneratedImages(int(n), nan_index=nan[0] if nan else None))
@@ -33,6 +34,7 @@ def main() -> None:
         class_names=CLASS_NAMES,
         templates=["a photo of a {}."],
         ablations=True,
+        online=online,
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -50,6 +52,12 @@ def main() -> None:
         )
     loader = DataLoader(dataset, batch_size=int(batch), sampler=sampler)
     trainer.predict(module, dataloaders=loader, return_predictions=False)
+    if online:  # every rank: what it saw and holds, for the end-of-stream check
+        answers = next(c for c in trainer.callbacks if type(c).__name__ == "OnlineAnswers")
+        torch.save(
+            {"features": answers.online.features, "online": module.online_, "head": module.head},
+            Path(out_dir) / f"online_rank{trainer.global_rank}.pt",
+        )
     if trainer.global_rank == 0:
         torch.save(
             {

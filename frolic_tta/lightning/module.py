@@ -64,7 +64,7 @@ from frolic_tta.data.indexed import check_class_names
 from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.lightning import checkpoint as ckpt
-from frolic_tta.lightning import samples
+from frolic_tta.lightning import online, samples
 from frolic_tta.lightning.progress import FinalizeProgress
 from frolic_tta.lightning.provenance import check_provenance
 from frolic_tta.metrics import FrolicMoments, evaluate_rows
@@ -74,7 +74,7 @@ from frolic_tta.prior import Priors
 from frolic_tta.rows import RowContext, build_rows
 
 
-class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
+class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
     r"""Frolic test-time adaptation of a frozen open_clip model.
 
     Args:
@@ -110,6 +110,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             non-finite features) before the run stops with an error.
         text_batch_size: prompts per text-encoder forward.
         chunk_size: rows per chunk in finalize (``None``: about 2M logits per chunk).
+        online: also answer each batch as it arrives (``online_*`` keys): :mod:`.online`.
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         max_skipped_fraction: float = 0.05,
         text_batch_size: int = 256,
         chunk_size: int | None = None,
+        online: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

@@ -19,6 +19,9 @@ After the predict epoch, rank 0 joins the per-rank prediction files (written by 
   ``classifier`` (state dict of the :class:`~frolic_tta.FrolicClassifier`
   :math:`f_d(x) = A(x - \mu) + c` on L2-normalised image features).
 * ``class_probability.png`` (the paper's Fig. 1c/d) and ``priors.png``.
+* with ``FrolicModule(online=True)``: an ``online`` section in ``metrics.json``, ``online.csv``
+  (answers in arrival order with the refit and count they were made with) and
+  ``online_accuracy.png`` (:mod:`frolic_tta.lightning.online`).
 
 The terminal table is printed when the predict stage has ended (``teardown``), below the closed
 progress bar, not into it.
@@ -40,6 +43,7 @@ from typing_extensions import override
 
 from frolic_tta.data.indexed import dataset_paths
 from frolic_tta.head import FrolicHead
+from frolic_tta.lightning.online import online_summary, plot_online, write_online_csv
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
@@ -174,6 +178,10 @@ class FrolicReport(FrolicPredictionWriter):
         self.summary["images_encoded"] = (
             getattr(module, "images_encoded", None) if encoded is None else encoded
         )
+        online = "online_step" in joined  # FrolicModule(online=True)
+        if online:
+            self.summary["online"] = online_summary(joined, module)
+            write_online_csv(out / "online.csv", joined, names)
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         probability = getattr(module, "class_probability_", {})
         if self.plots:
@@ -183,6 +191,8 @@ class FrolicReport(FrolicPredictionWriter):
                     probability["before"], probability["after"], names, out, title
                 )
             plot_priors(getattr(module, "priors_", None) or stored_priors(head), names, out, title)
+            if online:
+                plot_online(joined, out, title)
         self._table_due = self.print_table
 
     @staticmethod

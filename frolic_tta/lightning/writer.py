@@ -13,6 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.errors import FrolicInputError, write_error
+from frolic_tta.lightning.online import ONLINE_KEYS
 
 
 def save_file(obj: Any, path: str | Path) -> None:
@@ -24,7 +25,7 @@ def save_file(obj: Any, path: str | Path) -> None:
         raise FrolicInputError(write_error(path, error)) from None
 
 
-KEYS = ("index", "valid", "prediction", "confidence", "logits", "target")
+KEYS = ("index", "valid", "prediction", "confidence", "logits", "target", *ONLINE_KEYS)
 FILL = {"target": -1, "valid": True}
 """Value of a per-sample key that some batches (or ranks) lack: no label, not skipped."""
 
