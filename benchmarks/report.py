@@ -159,12 +159,15 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
     headers = [
         "case", "N × K × d", "moments s", "test prior s", "head solve s", "τ search s",
         "β loop s", "scoring s",
-        "finalize s", "passes over N×K", "τ / β / EM steps", "extra MiB", "K×K / full N×K",
+        "finalize s", "passes over N×K", "τ / β steps / mixture refits", "extra MiB",
+        "K×K / full N×K",
         "acc f_c → f_d", "× faster than reference", "cores used",
     ]  # fmt: skip
     lines = [markdown_table(headers, rows), ""]
     lines.append(
-        "finalize = everything after the last encoder batch (test prior: EM on the mixture; "
+        "finalize = everything after the last encoder batch (test prior: the balanced "
+        "matching, the mixture refitted under it and its weights, and the refits where the test "
+        "set is imbalanced; "
         "head solve, τ search, β loop: the fused and the zero-shot "
         "label biases, "
         "scoring = logit buffers + filling the outputs); moments are accumulated per batch "

@@ -54,7 +54,7 @@ def label_shift_section(p: dict[str, Any] | None) -> str:
             ]
         )
     accuracy = markdown_table(headers, rows)
-    headers = ["world", "test prior: shift weight w", "L1(π̃, truth)", "L1(EM π̂, truth)"]
+    headers = ["world", "test prior: shift weight w", "L1(π̃, truth)", "L1(mixture π̂, truth)"]
     headers += ["zero-shot β̂ max/min", "undetermined classes", "L1(zero-shot β̂, β*)"]
     headers += ["L1(fused β̂, β*)", "default s", "previous default s"]
     rows = []

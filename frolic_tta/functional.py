@@ -18,7 +18,12 @@ from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.pipeline import fit_frolic, l2_normalize
 from frolic_tta.prior import Priors
 from frolic_tta.rows import RowContext, build_rows
-from frolic_tta.validation import check_unit_rows, non_unit_rows, validate_inputs
+from frolic_tta.validation import (
+    check_matrix,
+    check_shards_together,
+    check_unit_rows,
+    validate_inputs,
+)
 
 
 @dataclass
@@ -113,14 +118,17 @@ def frolic(
     tau_c = check_positive("tau_c", tau_c)
     if normalize is not None and not isinstance(normalize, bool):
         raise TypeError(f"Expected `normalize` to be True, False or None, but got {normalize!r}")
-    # a shard may be empty; N >= 2 over all shards is checked by fit_frolic (one reduction)
-    validate_inputs(features, prototypes, normalize=normalize, min_rows=0 if reduce_fn else 1)
-    if features.shape[0] < 2 and reduce_fn is None:
-        raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
+    if reduce_fn is None:
+        validate_inputs(features, prototypes, normalize=normalize)
+        if features.shape[0] < 2:
+            raise ValueError(f"Expected at least 2 samples (N >= 2), but got N={features.shape[0]}")
+    else:  # values decided over all shards (one reduction); N >= 2 checked by fit_frolic
+        check_matrix("features", features, min_rows=0, finite=False)  # the structure: local
+        validate_inputs(features[:0], prototypes, normalize=normalize, min_rows=0)
+        check_shards_together(reduce_fn, [("features", features)], normalize=normalize)
     if normalize is None:
-        count = torch.tensor([float(non_unit_rows(features))], dtype=torch.float64)
-        count = count if reduce_fn is None else reduce_fn(count)  # every shard raises together
-        check_unit_rows("features", features, count=int(count[0]))
+        if reduce_fn is None:
+            check_unit_rows("features", features)
         check_unit_rows("prototypes", prototypes)  # identical on every shard
     if normalize:
         features, prototypes = l2_normalize(features), l2_normalize(prototypes)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from frolic_tta.lightning.report import _evidence, _float32, _ratio, _short, format_table
+from frolic_tta.lightning.report import _float32, _ratio
+from frolic_tta.lightning.summary_table import _evidence, format_table
+from frolic_tta.lightning.summary_table import short_name as _short
 
 
 def summary(**changes):

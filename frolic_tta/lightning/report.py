@@ -46,21 +46,11 @@ from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.online import online_summary, plot_online, write_online_csv
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
+from frolic_tta.lightning.summary_table import format_table, short_name
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
 from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
-
-
-def _short(value: Any) -> str:
-    """A model name for titles: ``hf-hub:org/name`` as it is, ``local-dir:`` with the folder's
-    name, the file name of a path, else the value."""
-    text = str(value)
-    if text.startswith("hf-hub:"):
-        return text
-    if text.startswith("local-dir:"):
-        return "local-dir:" + Path(text[len("local-dir:") :]).name
-    return Path(text).name if "/" in text else text
 
 
 def _float32(value: float) -> float:
@@ -272,7 +262,7 @@ class FrolicReport(FrolicPredictionWriter):
         return {
             "dataset": getattr(datamodule, "dataset_name", None) or "custom",
             "split": getattr(datamodule, "split_source", None),
-            "model": _short(hparams.get("model_name")),
+            "model": short_name(hparams.get("model_name")),
             "model_name": hparams.get("model_name"),
             "pretrained": None if brings_weights else hparams.get("pretrained"),
             "num_samples": n,
@@ -360,57 +350,3 @@ def _notes(
     if evaluated and evaluated < n:
         notes.append(f"accuracy on the {evaluated} of {n} samples with a label and a prediction")
     return notes
-
-
-def _evidence(ratio: float) -> str:
-    """Lambda as printed: below 0 (EM fit no better than balanced) it is no evidence, 0."""
-    return f"{ratio:.4g}" if ratio > 0 else "0 (no better fit than balanced)"
-
-
-def format_table(summary: dict[str, Any]) -> str:
-    """The terminal table of a :class:`FrolicReport` summary (plain text)."""
-    lines = [
-        f"Frolic on {summary['dataset']} with {summary['model']}"
-        + (f" ({_short(summary['pretrained'])})" if summary.get("pretrained") else "")
-        + ": "
-        f"N={summary['num_samples']} samples, K={summary['num_classes']} classes",
-    ]
-    if summary.get("split"):
-        lines.append(f"  split: {summary['split']}")
-    if summary.get("features", "encoded") != "encoded":
-        lines.append(f"  features: {summary['features']}")
-    accuracy = summary["accuracy"]
-    if accuracy:
-        width = max(len(row) for row in accuracy)
-        header = "  ".join(f"{name:>7}" for name in ("top-1", "top-5", "recall", "ECE", "NLL"))
-        lines.append(f"  {'row':<{width}}  {header}  description")
-        for row, value in accuracy.items():
-            cells = [f"{100 * value:.2f}%"]
-            for kind in ("top5", "recall", "ece", "nll"):
-                v = summary.get(kind, {}).get(row)
-                percent = kind in ("top5", "recall")
-                cells.append("-" if v is None else f"{100 * v:.2f}%" if percent else f"{v:.3f}")
-            text = "  ".join(f"{cell:>7}" for cell in cells)
-            lines.append(f"  {row:<{width}}  {text}  {ROWS[row].label}")
-    else:
-        lines.append("  no labels: accuracy not computed")
-    lines.append(f"  tau_c = {summary['tau_c']:.4g}, tau_g = {summary['tau_g']:.4g}")
-    test = summary.get("test_prior", {})
-    if test.get("estimated"):
-        balanced = "treated as balanced" if test["shift_weight"] == 0 else "imbalanced"
-        lines.append(
-            f"  test prior pi: {balanced} (weight {test['shift_weight']:.3g}, likelihood ratio "
-            f"{_evidence(test['likelihood_ratio'])}), max/min {test['max_over_min']:.3g}"
-        )
-    for key, what in (
-        ("zero_shot_beta", "pre-training prior of the zero-shot model"),
-        ("beta", "label bias removed from f_f"),
-    ):
-        beta = summary.get(key)
-        if beta is None:
-            continue
-        count = beta.get("undetermined")
-        undetermined = f", {count} undetermined" if count else ""
-        lines.append(f"  {key}: max/min {beta['max_over_min']:.3g}{undetermined} ({what})")
-    lines += [f"  note: {note}" for note in summary.get("notes", [])]
-    return "\n".join(lines)
