@@ -135,6 +135,9 @@ SLOW = {
     "tests/test_descriptions.py::test_offline_is_one_sentence_and_exit_status_2",
     "tests/test_splits.py::test_metrics_json_and_table_name_the_split",
     "tests/test_readme.py::test_snippet_runs",
+    "tests/test_reuse_cli.py::test_ddp_error_of_one_rank_is_one_line_and_exit_2",
+    "tests/test_shard_errors.py::test_a_real_two_process_group_raises_on_both_ranks",
+    "tests/test_sweep_files.py::test_a_run_stops_with_the_sweep",
 }
 """Tests marked ``slow`` (their node id without parameters)."""
 
