@@ -138,6 +138,10 @@ SLOW = {
     "tests/test_reuse_cli.py::test_ddp_error_of_one_rank_is_one_line_and_exit_2",
     "tests/test_shard_errors.py::test_a_real_two_process_group_raises_on_both_ranks",
     "tests/test_sweep_files.py::test_a_run_stops_with_the_sweep",
+    "tests/test_test_prior.py::test_real_ddp_processes_give_the_single_process_result",
+    "tests/test_test_prior.py::test_chunk_size_threads_and_no_logit_buffer_do_not_change_the_result",
+    "tests/test_test_prior.py::test_mixture_weights_match_a_float64_reference_and_recover_known_weights",
+    "tests/test_label_shift.py::test_label_shift_does_no_harm_and_nears_the_known_prior",
 }
 """Tests marked ``slow`` (their node id without parameters)."""
 

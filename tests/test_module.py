@@ -232,8 +232,9 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
     summary = torch.load(tmp_path / "summary.pt", weights_only=False)
     assert summary["tau_g"] == pytest.approx(single_module.head.tau_g, rel=1e-4)
     torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-4)
-    torch.testing.assert_close(  # the EM test prior is reduced over ranks like the rest
-        summary["head"]["test_prior"], single_module.head.test_prior, rtol=0, atol=1e-5
+    torch.testing.assert_close(  # the test prior is reduced over ranks like the rest; it
+        # is estimated from the features, so it moves with them like beta (assert_logits_close)
+        summary["head"]["test_prior"], single_module.head.test_prior, rtol=0, atol=1e-4
     )
     scores = {k: v for k, v in single_module.metrics_.items() if "/" in k}
     assert len(scores) == len(ROWS) * 5  # top-1, top-5, recall, ECE, NLL of every row
