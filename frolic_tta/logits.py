@@ -114,6 +114,13 @@ class LinearLogits(LogitSource):
                 yield start, torch.addmm(self.bias, block, self.weight_t)
 
 
+def fill(buffer: Tensor, source: LogitSource) -> TensorLogits:
+    """Write every chunk of ``source`` into ``buffer`` ``(N, K)``; the buffer as a source."""
+    for start, chunk in source.chunks():
+        buffer[start : start + chunk.shape[0]] = chunk
+    return TensorLogits(buffer, getattr(source, "chunk_size", None))
+
+
 def as_source(logits: Tensor | LogitSource, name: str = "logits") -> LogitSource:
     """Wrap a tensor as a :class:`TensorLogits`; pass a :class:`LogitSource` through."""
     if isinstance(logits, LogitSource):

@@ -33,11 +33,11 @@ from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
-    LogitSource,
     ReduceFn,
     TensorLogits,
     chunk_rows,
     compute_dtype,
+    fill,
     identity_reduce,
 )
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
@@ -161,8 +161,8 @@ def fit_frolic(
     buffer = scratch = None
     if keep_logits:  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
         buffer, scratch = (_new_buffer(features, k) for _ in range(2))
-        _fill(buffer, gda)
-        _fill(scratch, zero_shot)
+        fill(buffer, gda)
+        fill(scratch, zero_shot)
         gda, zero_shot = TensorLogits(buffer, chunk_size), TensorLogits(scratch, chunk_size)
     report("temperature")
     if options.fusion == "fixed":  # the released script's equal scales
@@ -223,7 +223,7 @@ def fit_frolic(
     report("zero-shot prior")
     if scratch is not None:
         if estimate is not None:  # the scratch held the mixture's logits: f_c / tau_c again
-            _fill(scratch, scaled.source(features, chunk_size))
+            fill(scratch, scaled.source(features, chunk_size))
         zero_shot = TensorLogits(scratch, chunk_size)
     box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
     zero_shot_bias = match(zero_shot, method=options.bias, target=test_prior, bound=box)
@@ -251,11 +251,6 @@ def _silent(phase: str) -> None:
 
 def _new_buffer(features: Tensor, k: int) -> Tensor:
     return torch.empty(features.shape[0], k, dtype=compute_dtype(features), device=features.device)
-
-
-def _fill(buffer: Tensor, source: LogitSource) -> None:
-    for start, chunk in source.chunks():
-        buffer[start : start + chunk.shape[0]] = chunk
 
 
 def text_test_prior(

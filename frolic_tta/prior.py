@@ -53,7 +53,7 @@ from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     LogitSource,
     ReduceFn,
-    TensorLogits,
+    fill,
     identity_reduce,
 )
 from frolic_tta.matching import MassMatch, match_class_masses
@@ -157,9 +157,7 @@ def estimate_test_prior(
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
         components: LogitSource = head.affine().source(features, chunk_size)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
-            for first, chunk in components.chunks():
-                buffer[first : first + chunk.shape[0]] = chunk
-            components = TensorLogits(buffer, chunk_size)
+            components = fill(buffer, components)
         raw, ratio, inner, done = mixture_weights(components, init, tol=tol, reduce_fn=reduce_fn)
         return raw, ratio, 1 + inner + (buffer is not None), done
 
