@@ -39,10 +39,12 @@ from label_shift import build, summarise, world_specs
 
 import frolic_tta
 from frolic_tta import accuracy
-from frolic_tta.inmap import fit_proxies
+from frolic_tta.inmap import convergence, fit_proxies
+from frolic_tta.logits import identity_reduce
 from frolic_tta.options import FrolicOptions, paper_options, released_options
+from frolic_tta.pipeline import l2_normalize, text_test_prior
 
-TOLERANCE = FrolicOptions().inmap_tolerance
+STOP = convergence(FrolicOptions())  # InMaP's stopping rule in the default options
 INMAP_FULL = 20 + 1 + 2000  # Sinkhorn passes, the labelling pass, InMaP's 2,000 steps
 METHODS = [
     "default",
@@ -80,14 +82,19 @@ def evaluate(x: torch.Tensor, z: torch.Tensor, y: torch.Tensor, tau_c: float, de
     ):
         seconds, result = timed(lambda options=options: frolic(options), device)
         out[name] = {"acc": accuracy(result.logits, y), "seconds": seconds, "passes": passes}
-    seconds, fit = timed(lambda: fit_proxies(x, z, tau_c, tolerance=TOLERANCE), device)
+    seconds, fit = timed(lambda: fit_proxies(x, z, tau_c, **STOP), device)
     logits = x.to(fit.prototypes) @ fit.prototypes.T
     out["InMaP alone"] = {"acc": accuracy(logits, y), "seconds": seconds, "passes": fit.passes}
     out["InMaP alone"]["steps"] = fit.steps
     seconds, result = timed(lambda: frolic(FrolicOptions(zero_shot="inmap")), device)
     out["InMaP + Frolic"] = {"acc": accuracy(result.logits, y), "seconds": seconds}
-    out["InMaP + Frolic"]["passes"] = fit.passes
     out["InMaP + Frolic"]["proxies alone"] = accuracy(result.ablations(None)["inmap"], y)
+    # its proxies again, outside the timing, for their steps (labels balanced to pi-tilde)
+    unit, text = l2_normalize(x), l2_normalize(z)  # as frolic(normalize=True)
+    target = text_test_prior(unit, text, tau_c, None, FrolicOptions(), identity_reduce, None)
+    balanced = fit_proxies(unit, text, tau_c, target=target, **STOP)
+    same = torch.allclose(balanced.prototypes, result.head.prototypes.to(balanced.prototypes))
+    out["InMaP + Frolic"].update(passes=balanced.passes, steps=balanced.steps, same=same)
     seconds, fit = timed(lambda: fit_proxies(x, z, tau_c), device)
     logits = x.to(fit.prototypes) @ fit.prototypes.T
     full = {"seconds": seconds, "passes": INMAP_FULL}
@@ -113,6 +120,19 @@ def digits_runs(quick: bool, device: str) -> dict[str, Any]:
         runs.append(evaluate(x, z, y, 1.0 / digits.logit_scale, device))
     return {"spec": {"model": "digits_clip", "steps": steps, "imbalance": 20.0}, "seeds": len(runs),
             **summarise(runs)}  # fmt: skip
+
+
+def run_description(quick: bool, seeds: int) -> dict[str, Any]:
+    """What the run covered, for the table's heading."""
+    from digits_clip import DEFAULT_STEPS, QUICK_STEPS
+
+    return {
+        "command": "python benchmarks/peers.py" + (" --quick" if quick else ""),
+        "clip": "N = 5,000" if quick else "N = 20,000",
+        "seeds": 1 if quick else seeds,
+        "digits seeds": 1 if quick else 4,
+        "digits steps": QUICK_STEPS if quick else DEFAULT_STEPS,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -148,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "machine": common.finish_info(info),
         "methods": METHODS,
-        "tolerance": TOLERANCE,
+        "stop": STOP,
+        "run": run_description(args.quick, args.seeds),
         "worlds": results,
     }
     from report_peers import peers_section

@@ -31,7 +31,7 @@ from torch import Tensor
 from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums
 from frolic_tta.head import FrolicHead
-from frolic_tta.inmap import fit_proxies
+from frolic_tta.inmap import convergence, fit_proxies
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap, ReduceFn, identity_reduce
 from frolic_tta.options import FrolicOptions
 
@@ -151,7 +151,7 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
 def _inmap(ctx: RowContext) -> AffineMap:
     """InMaP alone: the proxies of the fit (``zero_shot`` "inmap" / "inmap_both"), else InMaP's
     own proxies learned now from the text prototypes (:func:`~frolic_tta.inmap.fit_proxies`,
-    ``inmap_tolerance`` of the options), at their temperature."""
+    the stopping rule of ``inmap_tolerance``), at their temperature."""
     head = ctx.head
     if ctx.options.zero_shot != "text":
         proxies, temperature = head.prototypes.to(torch.float64), head.tau_c
@@ -160,7 +160,7 @@ def _inmap(ctx: RowContext) -> AffineMap:
             ctx.features,
             head.prototypes,
             head.tau_c,
-            tolerance=ctx.options.inmap_tolerance,
+            **convergence(ctx.options),
             reduce_fn=ctx.reduce_fn,
             chunk_size=ctx.chunk_size,
         )

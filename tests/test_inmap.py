@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import frolic_tta
 from frolic_tta import FrolicOptions
-from frolic_tta.inmap import fit_proxies, inmap_proxies
+from frolic_tta.inmap import RELATIVE_TOLERANCE, convergence, fit_proxies, inmap_proxies
 from frolic_tta.logits import identity_reduce
 from frolic_tta.pipeline import text_test_prior
 from frolic_tta.synthetic import clip_like_world, clip_world, shifted_prior
@@ -173,7 +173,28 @@ def test_with_the_em_prior_the_labels_are_balanced_to_it():
     x, z = world.features, world.prototypes
     fit = frolic_tta.fit_frolic(x, z, zero_shot="inmap")
     pi = text_test_prior(x, z, 0.01, None, FrolicOptions(), identity_reduce, None)
-    expected = fit_proxies(x, z, target=pi, tolerance=FrolicOptions().inmap_tolerance)
+    expected = fit_proxies(x, z, target=pi, **convergence(FrolicOptions()))
     torch.testing.assert_close(fit.head.prototypes, expected.prototypes, rtol=0, atol=1e-9)
     assert float(pi.max() / pi.min()) > 3  # the estimate is imbalanced: the labels follow it
     # the accuracy gain is measured on the label-shift worlds (benchmarks/peers.py), not here
+
+
+def test_labels_balanced_to_a_shifted_prior_stop_at_the_relative_test():
+    """Balanced to a long-tailed pi-tilde, InMaP's step is never halved and the proxies creep
+    for over 1,000 steps before they move less than 1e-6; the relative test on ||G|| stops them
+    after a few hundred, with the 2,000-step proxies' predictions."""
+    prior = shifted_prior("long-tailed:10", 6, seed=2)
+    world = clip_like_world(600, 6, 16, seed=2, test_prior=prior)
+    x, z = world.features, world.prototypes
+    pi = text_test_prior(x, z, 0.01, None, FrolicOptions(), identity_reduce, None)
+    assert convergence(FrolicOptions()) == {"tolerance": 1e-6, "relative_tolerance": 1e-3}
+    assert convergence(FrolicOptions(inmap_tolerance=None))["relative_tolerance"] is None
+    absolute = fit_proxies(x, z, target=pi, tolerance=1e-6)
+    relative = fit_proxies(x, z, target=pi, tolerance=1e-6, relative_tolerance=RELATIVE_TOLERANCE)
+    full = fit_proxies(x, z, target=pi)
+    assert absolute.converged and absolute.steps > 1000  # measured: 1,088
+    assert relative.converged and relative.steps < 400  # measured: 280
+    assert not full.converged and full.steps == 2000
+    full_pred = (x.double() @ full.prototypes.T).argmax(1)
+    agree = (x.double() @ relative.prototypes.T).argmax(1) == full_pred
+    assert float(agree.double().mean()) > 0.98
