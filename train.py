@@ -1,4 +1,5 @@
-"""Frolic from the command line: ``python train.py predict --config configs/eurosat_vit_b16.yaml``.
+"""Frolic from the command line: ``python train.py predict --config configs/vit_b16.yaml
+--config configs/datasets/eurosat.yaml``.
 
 A thin entry to :class:`frolic_tta.lightning.cli.FrolicCLI` (a LightningCLI); see ``--help``.
 """

@@ -17,17 +17,13 @@ import yaml
 from PIL import Image
 
 from frolic_tta import FrolicClassifier, FrolicHead
-from frolic_tta.clip.descriptions import PUBLISHED
 from frolic_tta.clip.loading import WeightsNotFoundError, load_open_clip
-from frolic_tta.clip.prompts import resolve_templates
-from frolic_tta.data import DATASETS, STANDARD_SPLITS, canonical_dataset_name
 from frolic_tta.lightning.cli import FrolicCLI, main
 from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
 from tests.noise import assert_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 N = len(IMAGE_FOLDER_CLASSES) * IMAGES_PER_CLASS
 REPORT_FILES = (
     "metrics.json",
@@ -257,50 +253,6 @@ class ParseOnly(FrolicCLI):
         pass
 
 
-def test_every_config_parses():
-    assert len(CONFIGS) == 2 * len(DATASETS) + 1
-    parser = ParseOnly(args=["--config", str(CONFIGS[0])], run=False).parser
-    seen = set()
-    for path in CONFIGS:
-        config = parser.parse_path(path)
-        model, data = config.model, config.data
-        assert resolve_templates(model.templates)
-        assert model.model_name in open_clip.list_models(), path.name
-        assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
-        assert config.output_dir == f"outputs/{path.stem}"
-        if path.stem != "folder":
-            key = canonical_dataset_name(data.init_args.dataset)
-            assert path.stem.startswith(key) and model.templates == key
-            seen.add((key, model.model_name))
-    backbones = ("ViT-B-16-quickgelu", "ViT-L-14-quickgelu")  # OpenAI weights' activation
-    assert seen == {(k, m) for k in DATASETS for m in backbones}
-
-
-def test_every_paper_config_parses():
-    """configs/paper: the 16 datasets x 2 backbones with the fetched descriptions and splits."""
-    paths = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
-    assert len(paths) == 2 * len(DATASETS)
-    parser = ParseOnly(args=["--config", str(paths[0])], run=False).parser
-    seen = set()
-    for path in paths:
-        config = parser.parse_path(path)
-        model, data = config.model, config.data
-        key = canonical_dataset_name(data.init_args.dataset)
-        assert config.output_dir == f"outputs/paper/{path.stem}"
-        assert path.stem.startswith(key) and model.templates == key and resolve_templates(key)
-        assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
-        # descriptions as `fetch --out descriptions` writes them; ObjectNet has none
-        expected = f"descriptions/{key}.json" if key in PUBLISHED else None
-        assert model.prompts_file == expected, path.name
-        # split "test" lets a CoOp split file be picked up ("all" would skip it)
-        assert key not in STANDARD_SPLITS or data.init_args.split == "test", path.name
-        assert data.init_args.split_file is None and data.init_args.root == "data"
-        seen.add((key, model.model_name))
-    backbones = ("ViT-B-16-quickgelu", "ViT-L-14-quickgelu")
-    assert seen == {(k, m) for k in DATASETS for m in backbones}
-    assert set(PUBLISHED) == set(DATASETS) - {"objectnet"}
-
-
 def test_openai_tag_builds_quick_gelu(monkeypatch):
     calls = []
 
@@ -319,15 +271,19 @@ def test_openai_tag_builds_quick_gelu(monkeypatch):
     assert calls == [{"force_quick_gelu": True}, {}]
 
 
-@pytest.mark.parametrize("name", ["eurosat_vit_b16.yaml", "folder.yaml"])
-def test_print_config_round_trips(name, tmp_path, capsys):
+EUROSAT = ["--config", str(ROOT / "configs/vit_b16.yaml")]
+EUROSAT += ["--config", str(ROOT / "configs/datasets/eurosat.yaml")]
+
+
+@pytest.mark.parametrize("configs", [EUROSAT, ["--config", str(ROOT / "configs/folder.yaml")]])
+def test_print_config_round_trips(configs, tmp_path, capsys):
     def printed(*args: str) -> str:
         with pytest.raises(SystemExit) as exit_info:
             main(["predict", *args, "--print_config"])
         assert exit_info.value.code in (0, None)
         return capsys.readouterr().out
 
-    first = printed("--config", str(ROOT / "configs" / name), "--trainer.devices", "2")
+    first = printed(*configs, "--trainer.devices", "2")
     saved = tmp_path / "printed.yaml"
     saved.write_text(first)
     second = printed("--config", str(saved))
@@ -336,15 +292,14 @@ def test_print_config_round_trips(name, tmp_path, capsys):
 
 
 def test_frolic_options_are_one_group_validated_before_any_model_loads(tiny_clip, tmp_path, capsys):
-    config = ROOT / "configs" / "eurosat_vit_b16.yaml"
-    parser = ParseOnly(args=["--config", str(config)], run=False).parser
+    parser = ParseOnly(args=EUROSAT, run=False).parser
     parsed = parser.parse_args(
-        ["--config", str(config), "--model.options.bias", "paper", "--model.options.eps", "0.05"]
+        [*EUROSAT, "--model.options.bias", "paper", "--model.options.eps", "0.05"]
     )
     assert parsed.model.options.bias == "paper" and parsed.model.options.eps == 0.05
     missing = ["--model.pretrained", str(tmp_path / "missing.pt"), "--data.root", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:  # the bad option, not missing data or weights
-        main(["predict", "--config", str(config), *missing, "--model.options.eps", "-1"])
+        main(["predict", *EUROSAT, *missing, "--model.options.eps", "-1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Expected `eps` to be a finite number > 0, but got -1.0" in err

@@ -287,29 +287,23 @@ def test_missing_transformers_is_named_before_any_download(monkeypatch, no_probe
 
 # ---------------------------------------------------------------------------- families
 def test_family_configs_parse_and_are_covered_by_a_tiny_tower():
-    from tests.test_cli import ParseOnly
+    from tests.test_configs import composed
 
     tiny_types = {tower_type(tiny_config(real)) for real, _ in TOWERS.values()}
     tiny_types.add(tower_type(TINY_CLIP_CONFIG))  # the standard CLIP ViT (tests/conftest.py)
-    parser = ParseOnly(args=["--config", str(FAMILY_CONFIGS[0])], run=False).parser
-    families = set()
-    for path in FAMILY_CONFIGS:
-        config = parser.parse_path(path)
-        model, data = config.model, config.data.init_args
-        assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
-        assert model.tau_c == "model" and model.templates == data.dataset
-        assert path.stem.startswith(data.dataset) and config.output_dir == f"outputs/{path.stem}"
-        assert tower_type(open_clip.get_model_config(model.model_name)) in tiny_types, path.name
-        families.add(path.stem.removeprefix(data.dataset + "_"))
-    assert families == {"siglip2_b16", "eva02_b16", "metaclip_b16"}
-    assert len(FAMILY_CONFIGS) == 2 * len(families)
-    siglip = yaml.safe_load((ROOT / "configs/families/imagenet_siglip2_b16.yaml").read_text())
-    assert (
-        "SigLIP"
-        in open_clip.get_model_config(siglip["model"]["model_name"])["text_cfg"][
-            "hf_tokenizer_name"
-        ]
-    )
+    for path in FAMILY_CONFIGS:  # a model's base, composed with each dataset run here
+        for dataset in ("imagenet", "eurosat"):
+            base = str(path.relative_to(ROOT))
+            config = composed([base, f"configs/datasets/{dataset}.yaml"])
+            model, data = config.model, config.data.init_args
+            assert (model.model_name, model.pretrained) in open_clip.list_pretrained(), path.name
+            assert model.tau_c == "model" and model.templates == data.dataset == dataset
+            assert data.num_workers == 4 and config.output_dir == f"outputs/{dataset}"
+            assert tower_type(open_clip.get_model_config(model.model_name)) in tiny_types
+    assert {path.stem for path in FAMILY_CONFIGS} == {"siglip2_b16", "eva02_b16", "metaclip_b16"}
+    siglip = yaml.safe_load((ROOT / "configs/families/siglip2_b16.yaml").read_text())
+    tokenizer = open_clip.get_model_config(siglip["model"]["model_name"])["text_cfg"]
+    assert "SigLIP" in tokenizer["hf_tokenizer_name"]
 
 
 @pytest.mark.parametrize("name", [*TOWERS, "frolic-tiny-vit"])
@@ -349,8 +343,9 @@ def test_command_line_takes_local_dir_and_a_tau_c(tiny_clip, image_folder, tmp_p
 
 def test_command_line_rejects_a_bad_tau_c_before_data_or_weights(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py"])
-    config = ROOT / "configs" / "eurosat_vit_b16.yaml"
-    args = ["predict", "--config", str(config), "--data.root", str(tmp_path / "nowhere")]
+    configs = [ROOT / "configs/vit_b16.yaml", ROOT / "configs/datasets/eurosat.yaml"]
+    args = ["predict", *(a for c in configs for a in ("--config", str(c)))]
+    args += ["--data.root", str(tmp_path / "nowhere")]
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--model.tau_c", "-1"])
     assert exit_info.value.code == 2

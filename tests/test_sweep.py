@@ -214,13 +214,14 @@ def test_shipped_sweeps_plan_the_paper_grid(name, capsys):
     assert datasets == {c for c in table_datasets if not c.startswith("avg_")}  # all 16
     assert len(runs) == len(datasets) * 2 * 3 and sum(r.encodes for r in runs) == len(datasets)
     assert {r.backbone for r in runs} == {"ViT-B/16" if "b16" in name else "ViT-L/14"}
-    parser = ParseOnly(args=["--config", str(ROOT / "configs" / "eurosat_vit_b16.yaml")],
-                       run=False).parser  # fmt: skip
+    parser = ParseOnly(args=["--config", str(ROOT / "configs" / "folder.yaml")], run=False).parser
     released = [r for r in runs if r.options == "released"][:1]
     for run in runs[:4] + [r for r in runs if r.encodes] + released:  # every config, option set
         config = parser.parse_args(run.args[1:])
         assert config.data.init_args.feature_store == str(run.store)
         assert config.output_dir == str(run.run_dir)
+        assert config.data.init_args.dataset == config.model.templates == run.dataset
+        assert config.data.init_args.num_workers == 4  # the paper file's, over the model base
         if run.prompts == "templates":
             assert config.model.prompts_file is None
         if run.options == "released":

@@ -1,4 +1,5 @@
-"""The command line: ``python train.py predict --config configs/<dataset>_<backbone>.yaml``.
+"""The command line: ``python train.py predict --config configs/vit_b16.yaml --config
+configs/datasets/<dataset>.yaml`` (a model's base file, then a dataset's).
 
 :class:`FrolicCLI` is a :class:`~lightning.pytorch.cli.LightningCLI` with one subcommand,
 ``predict`` (Frolic adapts at test time; there is nothing to fit). It
@@ -63,7 +64,8 @@ __all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
-    "Run `predict --config configs/<dataset>_<backbone>.yaml`; outputs go to --output_dir."
+    "Run `predict --config configs/vit_b16.yaml --config configs/datasets/<dataset>.yaml` "
+    "(a model's base, then a dataset's file); outputs go to --output_dir."
 )
 
 

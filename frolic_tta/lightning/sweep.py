@@ -12,7 +12,7 @@ writes ``results.csv`` and ``tables.md`` (the paper's Tables 1-4 beside ours).
 The config (YAML)::
 
     output_dir: outputs/sweeps/paper_vit_b16
-    config: configs/paper/{dataset}_vit_b16.yaml  # optional train.py config per run
+    config: [configs/vit_b16.yaml, "configs/paper/{dataset}.yaml"]  # train.py configs (optional)
     args: {trainer: {devices: 1}}                 # optional train.py options for every run
     feature_store: null                           # default <output_dir>/features
     feature_store_dtype: float32                  # or float16
@@ -160,6 +160,11 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def _as_list(value: str | list[str] | None) -> list[str]:
+    """``config``: one file or several (``--config`` each, later ones override)."""
+    return [] if not value else [value] if isinstance(value, str) else list(value)
+
+
 def _fill(value: Any, names: dict[str, str]) -> Any:
     """Replace ``{dataset}``/``{model}`` in every string (templates' ``{}`` stay)."""
     if isinstance(value, str):
@@ -225,8 +230,8 @@ def plan_runs(config: dict[str, Any]) -> list[Run]:
                 for o, (options, option_args) in enumerate(config["options"].items()):
                     run_dir = out / "runs" / model / dataset / prompts / options
                     args = ["predict"]
-                    if config.get("config"):
-                        args.append(f"--config={_fill(config['config'], names)}")
+                    for file in _as_list(config.get("config")):  # composed in order
+                        args.append(f"--config={_fill(file, names)}")
                     args += _data_first(
                         cli_args(_fill(config.get("args") or {}, names))
                         + cli_args(entry)

@@ -23,7 +23,7 @@ class SweepError(ValueError):
 
 
 TYPES: dict[str, type | tuple[type, ...]] = {
-    "output_dir": str, "config": str, "args": dict, "feature_store": str,
+    "output_dir": str, "config": (str, list), "args": dict, "feature_store": str,
     "feature_store_dtype": str, "runner": str, "launcher": str,
     "models": (dict, list), "datasets": (dict, list), "prompts": (dict, list),
     "options": (dict, list),
