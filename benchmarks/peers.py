@@ -3,8 +3,9 @@
 Run: ``python benchmarks/peers.py`` (3 seeds of the CLIP-like label-shift worlds, the two
 ImageNet-size worlds, 4 digits models; hours on 2 CPU cores, dominated by the 2,000-step InMaP
 runs at ImageNet size: ``--device cuda`` where there is a GPU); ``--quick``: 1 seed, N = 5,000,
-no ImageNet size, one digits model (minutes). Writes ``benchmarks/results/peers.json``
-(``peers_quick.json``); ``python benchmarks/report.py`` turns it into the table.
+no ImageNet size, one digits model (about 10 minutes). Writes
+``benchmarks/results/peers.json`` (``peers_quick.json``); ``python benchmarks/report.py`` turns
+``peers.json``, else ``peers_quick.json``, into the table of docs/method.md.
 
 Methods, on the same features (``frolic_tta.frolic`` unless said):
 
@@ -13,7 +14,8 @@ Methods, on the same features (``frolic_tta.frolic`` unless said):
   (:mod:`frolic_tta.released`; two InMaP runs of 2,000 steps);
 * ``paper as written``: ``paper_options()`` (Eq. 7, Algorithm 2, a balanced test set);
 * ``InMaP alone``: InMaP's proxies (``frolic_tta.inmap.fit_proxies``, its defaults) with the
-  convergence test of ``FrolicOptions().inmap_tolerance``, scored by themselves;
+  convergence test of ``FrolicOptions()`` (``frolic_tta.inmap.convergence``), scored by
+  themselves;
 * ``InMaP + Frolic``: ``FrolicOptions(zero_shot="inmap")`` (its proxies' labels balanced to
   the EM test prior, then Frolic; ``proxies alone`` in the JSON: those proxies by themselves);
 * ``InMaP alone, 2,000 steps`` and ``InMaP + Frolic, 2,000 steps``: the same with

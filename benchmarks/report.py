@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from common import ROOT, fmt, markdown_table, read_result
-from report_peers import peers_section
+from report_peers import peers_result, peers_section
 from report_shift import label_shift_section, pretrained_section
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
@@ -424,7 +424,7 @@ def section(suffix: str = "") -> str:
         "python benchmarks/label_shift.py # method: the test-prior table (about 20 min)",
         "python benchmarks/pretrained_bias.py  # method: the trained digits model",
         "python benchmarks/inmap.py       # method: InMaP's cost",
-        "python benchmarks/peers.py       # method: released preset, paper, InMaP (hours)",
+        "python benchmarks/peers.py --quick  # method: released preset, paper, InMaP (~10 min)",
         "python benchmarks/report.py      # this page",
         "# GPU: --device cuda (and --precision 16-mixed for overhead.py) -> *_cuda.json",
         "```",
@@ -459,7 +459,7 @@ BLOCKS = {
     "benchmarks": section,
     "label-shift": lambda: label_shift_section(read_result("label_shift")) + "\n",
     "pretrained-bias": lambda: pretrained_section(read_result("pretrained_bias")) + "\n",
-    "peers": lambda: peers_section(read_result("peers")) + "\n",
+    "peers": lambda: peers_section(peers_result()) + "\n",
 }
 """Generated blocks between ``<!-- name:start -->`` and ``<!-- name:end -->`` and their builders."""
 PAGES = ("docs/benchmarks.md", "docs/method.md")
