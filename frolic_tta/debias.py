@@ -264,7 +264,7 @@ def warn_about_match(
     undetermined = int(result.undetermined.sum())
     if undetermined:
         warn(
-            f"the data do not determine {name} for {undetermined} of {k} classes (hard "
+            f"the data do not determine {name} in {undetermined} of {k} classes (hard "
             "posteriors or no samples: moving their logits hardly changes any class mass); "
             "there it is at the bound or arbitrary",
         )

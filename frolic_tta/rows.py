@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias
+from frolic_tta.debias import fit_label_bias
 from frolic_tta.gda import MomentSums
 from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import fit_proxies
@@ -145,7 +145,7 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
     scaled = AffineMap(head.prototypes.to(torch.float64) / head.tau_c, _zeros(ctx))
     if head.zero_shot_beta is not None:  # estimated by the fit, with its test prior
         return scaled.shift(head.log_offset(head.zero_shot_beta))
-    name = f"{ZERO_SHOT_BETA} for the f_c - ln beta row"
+    name = "beta-hat of f_c for the 'f_c - ln beta' row"
     return scaled.shift(ctx.offset(scaled, method=ctx.options.bias, name=name))
 
 
@@ -189,12 +189,13 @@ def _implicit(ctx: RowContext) -> AffineMap:
 
 def _oracle(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    return fused.shift(ctx.offset(fused, labels=ctx.labels, name=f"{FUSED_BETA} for the oracle"))
+    name = "beta-hat of f_f for the oracle row"
+    return fused.shift(ctx.offset(fused, labels=ctx.labels, name=name))
 
 
 def _balanced(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    name = f"{FUSED_BETA} for the f_d balanced row"
+    name = "beta-hat of f_f for the 'f_d balanced' row"
     return fused.shift(ctx.offset(fused, method=ctx.options.bias, name=name))
 
 

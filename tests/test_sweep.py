@@ -172,10 +172,10 @@ def test_two_models_two_datasets_two_options(
         )  # fmt: skip
         for kind in ("accuracy", "top5", "recall", "ece", "nll"):
             assert float(line[kind]) == m[kind][row], (kind, row)
-        for key in ("tau_c", "tau_g", "test_prior.likelihood_ratio", "beta.max_over_min"):
-            group, _, name = key.rpartition(".")
+        for key in ("tau_c", "tau_g", "test_prior/likelihood_ratio", "beta/max_over_min"):
+            group, _, name = key.rpartition("/")
             assert float(line[key]) == (m[group][name] if group else m[key]), key
-        assert line["options.bias"] == m["options"]["bias"] and line["num_samples"] == str(
+        assert line["options/bias"] == m["options"]["bias"] and line["num_samples"] == str(
             m["num_samples"]
         )
     # tables.md: one Table 1 per model and prompts, datasets as columns, option sets as lines,

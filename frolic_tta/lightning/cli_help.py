@@ -132,8 +132,8 @@ _GREEK = {"tau": "τ", "beta": "β", "pi": "π", "epsilon": "ε", "gamma": "γ",
 
 
 def plain_text(text: str) -> str:
-    """``text`` without Sphinx/reST markup: roles (``:class:`~a.B``` -> ``B``), inline literals
-    and links, ``.. math::``-style directives, and LaTeX in ``:math:`` (``\\tau_c`` -> τ_c)."""
+    r"""``text`` without Sphinx/reST markup: roles (``:class:`~a.B``` -> ``B``), inline literals
+    and links, ``.. math::``-style directives, and LaTeX in ``:math:`` (``\tau_c`` -> τ_c)."""
     text = re.sub(r"^\s*\.\. \w+::.*$", "", text, flags=re.M)  # directives
     text = re.sub(r":math:`([^`]*)`", lambda m: _plain_math(m.group(1)), text)
     text = re.sub(r":\w+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", lambda m: _role_target(m.group(1)), text)

@@ -6,8 +6,9 @@
   the rows of :data:`frolic_tta.rows.ROWS` the run reported, zero-shot ``f_c`` included) with
   every metric of ``metrics.json``, named as there and valued exactly as there: the row's
   ``accuracy``, ``top5``, ``recall``, ``ece``, ``nll`` (any per-row mapping), then the run's
-  own numbers (``tau_c``, ``tau_g``, ``test_prior.likelihood_ratio``, ``beta.max_over_min``,
-  ``options.bias``, ...: every value outside a list, nested keys joined by dots);
+  own numbers (``tau_c``, ``tau_g``, ``test_prior/likelihood_ratio``, ``beta/max_over_min``,
+  ``options/bias``, ...: every value outside a list, nested keys joined by ``/`` as in
+  :func:`frolic_tta.metrics.metric_key`);
 * ``tables.md``: per model and prompts (``##``), the paper's Tables 1-4 (``###``; per-dataset
   columns, the 10-dataset average, ImageNet and the ImageNet-variants averages) with our top-1
   in % for every option set of the sweep side by side (one line each), the difference to the
@@ -105,7 +106,7 @@ class RunResult:
 
     def run_values(self) -> dict[str, Any]:
         """The run's own numbers: every value of ``metrics.json`` outside the per-row metrics
-        and outside lists, nested keys joined by dots (``test_prior.likelihood_ratio``)."""
+        and outside lists, nested keys joined by ``/`` (``test_prior/likelihood_ratio``)."""
         rows = _row_metric_keys(self.metrics)
         return _flat({k: v for k, v in self.metrics.items() if k not in rows and k != "accuracy"})
 
@@ -125,7 +126,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
+            flat.update(_flat(value, f"{prefix}{key}/"))
         elif not isinstance(value, list):
             flat[f"{prefix}{key}"] = value
     return flat
