@@ -65,3 +65,12 @@ def test_one_spelling_of_metric_keys_in_python_and_metrics_json(
         group, name = key.split("/", 1)
         assert stored[group][name] == pytest.approx(value, rel=1e-6), key
     assert stored["tau_g"] == pytest.approx(cli.model.metrics_["tau_g"], rel=1e-12)
+
+
+def test_config_comments_say_split_files_are_picked_up():
+    """Every shipped config of a dataset with a standard split says it is found on its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    told = [p.name for p in root.rglob("*.yaml") if "pass --data.split_file" in p.read_text()]
+    assert told == []
