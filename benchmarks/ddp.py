@@ -138,7 +138,7 @@ def compare(one: Path, two: Path, n: int) -> dict[str, Any]:
     sa, sb = (json.loads((p / "summary.json").read_text()) for p in (one, two))
     beta_a, beta_b = torch.tensor(sa["beta"]), torch.tensor(sb["beta"])
     delta = (a["logits"] - b["logits"]).abs()
-    accuracies = [k for k in sa["metrics"] if k.startswith("acc/")]
+    accuracies = [k for k in sa["metrics"] if k.startswith("accuracy/")]
     metric_delta = max(abs(sa["metrics"][k] - sb["metrics"][k]) for k in accuracies)
     return {
         "max_abs_logit_diff": float(delta.max()),
@@ -149,9 +149,9 @@ def compare(one: Path, two: Path, n: int) -> dict[str, Any]:
         "beta_max_abs_diff": float((beta_a - beta_b).abs().max()),
         "max_accuracy_diff": metric_delta,
         "accuracies_compared": len(accuracies),
-        "accuracy_f_c": [sa["metrics"]["acc/f_c"], sb["metrics"]["acc/f_c"]],
-        "accuracy_f_d": [sa["metrics"]["acc/f_d"], sb["metrics"]["acc/f_d"]],
-        "test_prior_weight": [s["metrics"]["test_prior_weight"] for s in (sa, sb)],
+        "accuracy_f_c": [sa["metrics"]["accuracy/f_c"], sb["metrics"]["accuracy/f_c"]],
+        "accuracy_f_d": [sa["metrics"]["accuracy/f_d"], sb["metrics"]["accuracy/f_d"]],
+        "test_prior_weight": [s["metrics"]["test_prior/shift_weight"] for s in (sa, sb)],
         "encoder_passes_per_image": [sa["images_encoded"] / n, sb["images_encoded"] / n],
         "index_each_once": True,  # join_predictions raised otherwise
     }

@@ -176,6 +176,7 @@ def fit_label_bias(
     max_iter: int = 100,
     prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
+    name: str = "the label bias beta-hat",
 ) -> MassMatch:
     r""":func:`estimate_label_bias` with its diagnostics (:class:`~frolic_tta.matching.MassMatch`:
     :math:`\hat\beta`, the logit offset, undetermined classes, convergence).
@@ -184,7 +185,8 @@ def fit_label_bias(
     :math:`\ln(\max\hat\beta/\min\hat\beta)`) apply to ``"soft"`` and the Oracle;
     the other methods ignore them but still return ``log_offset``
     :math:`= \ln\pi - \ln\hat\beta`. Warns when the loop does not converge or when the data
-    leave some :math:`\hat\beta_j` undetermined.
+    leave some :math:`\hat\beta_j` undetermined; ``name`` says which :math:`\hat\beta` in the
+    warning (:data:`FUSED_BETA`, :data:`ZERO_SHOT_BETA`).
     """
     check_choice("method", method, BIAS_METHODS)
     check_positive("eps", eps)
@@ -227,7 +229,7 @@ def fit_label_bias(
             prior_floor=prior_floor,
             reduce_fn=reduce_fn,
         )
-        warn_about_match(result, k, max_iter, eps)
+        warn_about_match(result, k, max_iter, eps, name)
         return result
     beta = uniform
     for passes in range(1, max_iter + 1):
@@ -244,19 +246,27 @@ def fit_label_bias(
     return _uniform_result(beta, target, False, max_iter)
 
 
-def warn_about_match(result: MassMatch, k: int, max_iter: int, eps: float) -> None:
-    """Warn when the matching stopped at ``max_iter`` or left classes undetermined."""
+FUSED_BETA = "beta-hat of f_f (the label bias that f_d removes)"
+"""``name`` of the fused classifier's beta-hat in the warnings."""
+ZERO_SHOT_BETA = "beta-hat of f_c (the zero-shot model's pre-training prior)"
+"""``name`` of the zero-shot classifier's beta-hat in the warnings."""
+
+
+def warn_about_match(
+    result: MassMatch, k: int, max_iter: int, eps: float, name: str = "the label bias beta-hat"
+) -> None:
+    """Warn when the matching of ``name`` stopped at ``max_iter`` or left classes undetermined."""
     if not result.converged:
         warn(
-            f"estimate_label_bias(method='soft') stopped after max_iter={max_iter} passes "
-            f"before reaching eps={eps} (class-mass error {result.mass_error:.3g})",
+            f"estimate_label_bias(method='soft') of {name} stopped after max_iter={max_iter} "
+            f"passes before reaching eps={eps} (class-mass error {result.mass_error:.3g})",
         )
     undetermined = int(result.undetermined.sum())
     if undetermined:
         warn(
-            f"the data do not determine the label bias beta-hat of {undetermined} of {k} "
-            "classes (hard posteriors or no samples: moving their logits hardly changes any "
-            "class mass); their beta-hat is at the bound or arbitrary",
+            f"the data do not determine {name} in {undetermined} of {k} classes (hard "
+            "posteriors or no samples: moving their logits hardly changes any class mass); "
+            "there it is at the bound or arbitrary",
         )
 
 

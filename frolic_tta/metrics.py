@@ -111,13 +111,14 @@ class FrolicMoments(Metric):
 
 
 ROW_METRICS: dict[str, str] = {
-    "acc": "top-1 accuracy",
+    "accuracy": "top-1 accuracy",
     "top5": "top-5 accuracy (top-K when K < 5)",
     "recall": "mean per-class recall (balanced accuracy)",
     "ece": "expected calibration error (15 equal-width confidence bins, L1)",
     "nll": "negative log-likelihood of the true class (nats per sample)",
 }
-"""Scalar metrics of every row, by key prefix (``"acc/f_d"``). Per-class accuracy (recall of
+"""Scalar metrics of every row, by key prefix (``"accuracy/f_d"``), named as in ``metrics.json``
+(``metrics.json["accuracy"]["f_d"]``). Per-class accuracy (recall of
 each class, ``(K,)``) is ``"class_acc/<row>"``. Probabilities are the row's
 (:meth:`frolic_tta.rows.Row.in_logit_units`)."""
 CLASS_ACCURACY = "class_acc"
@@ -166,14 +167,15 @@ class NegativeLogLikelihood(Metric):
         return self.total / self.count
 
 
-def metric_key(row: str, metric: str = "acc") -> str:
-    """A logger-friendly name: ``metric_key("f_c - ln beta")`` -> ``"acc/f_c-ln_beta"``,
-    ``metric_key("f_d", "ece")`` -> ``"ece/f_d"``."""
-    return f"{metric}/" + row.replace(" - ", "-").replace(" + ", "+").replace(" ", "_")
+def metric_key(row: str, metric: str = "accuracy") -> str:
+    """The key of ``metrics.json[metric][row]`` as one name, ``<metric>/<row>``:
+    ``metric_key("f_c - ln beta")`` -> ``"accuracy/f_c - ln beta"``, ``metric_key("f_d", "ece")``
+    -> ``"ece/f_d"`` (one spelling in Python, in loggers and in ``metrics.json``)."""
+    return f"{metric}/{row}"
 
 
 def _row_metric(kind: str, num_classes: int) -> Metric:
-    if kind == "acc":
+    if kind == "accuracy":
         return MulticlassAccuracy(num_classes, average="micro")
     if kind == "top5":
         return MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
@@ -208,8 +210,8 @@ def row_metrics(
 
 
 def row_accuracies(num_classes: int, labelled: bool = True) -> MetricCollection:
-    """Top-1 accuracy only (:func:`row_metrics` with ``kinds=("acc",)``)."""
-    return row_metrics(num_classes, labelled, kinds=("acc",))
+    """Top-1 accuracy only (:func:`row_metrics` with ``kinds=("accuracy",)``)."""
+    return row_metrics(num_classes, labelled, kinds=("accuracy",))
 
 
 def update_row_metrics(
@@ -260,7 +262,7 @@ def compute_row_metrics(
     class_keys = {metric_key(row, CLASS_ACCURACY): row for row in rows}
     scalars = {k: float(v) for k, v in computed.items() if k not in class_keys}
     if num_labelled is not None:
-        for key in [k for k in scalars if k.split("/")[0] in ("acc", "top5")]:
+        for key in [k for k in scalars if k.split("/")[0] in ("accuracy", "top5")]:
             scalars[key] = exact_ratio(scalars[key], num_labelled)
     per_class = {class_keys[k]: v.double().cpu() for k, v in computed.items() if k in class_keys}
     return scalars, per_class

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature
-from frolic_tta.debias import fit_label_bias, warn_about_match
+from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
 from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
@@ -214,9 +214,9 @@ def fit_frolic(
     report("label bias")
     if estimate is not None and options.bias == "soft":
         bias = estimate.bias
-        warn_about_match(bias, k, options.max_iter, options.eps)
+        warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
     else:
-        bias = match(fused, method=options.bias, target=test_prior)
+        bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA)
     head.beta, head.test_prior = bias.beta, test_prior
     if buffer is not None:
         buffer.add_(head.log_offset().to(buffer))
@@ -226,7 +226,9 @@ def fit_frolic(
             fill(scratch, scaled.source(features, chunk_size))
         zero_shot = TensorLogits(scratch, chunk_size)
     box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
-    zero_shot_bias = match(zero_shot, method=options.bias, target=test_prior, bound=box)
+    zero_shot_bias = match(
+        zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
+    )
     head.zero_shot_beta = zero_shot_bias.beta
     priors = Priors(
         test_prior=uniform if test_prior is None else test_prior,

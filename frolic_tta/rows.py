@@ -145,7 +145,8 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
     scaled = AffineMap(head.prototypes.to(torch.float64) / head.tau_c, _zeros(ctx))
     if head.zero_shot_beta is not None:  # estimated by the fit, with its test prior
         return scaled.shift(head.log_offset(head.zero_shot_beta))
-    return scaled.shift(ctx.offset(scaled, method=ctx.options.bias))
+    name = "beta-hat of f_c for the 'f_c - ln beta' row"
+    return scaled.shift(ctx.offset(scaled, method=ctx.options.bias, name=name))
 
 
 def _inmap(ctx: RowContext) -> AffineMap:
@@ -188,12 +189,14 @@ def _implicit(ctx: RowContext) -> AffineMap:
 
 def _oracle(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    return fused.shift(ctx.offset(fused, labels=ctx.labels))
+    name = "beta-hat of f_f for the oracle row"
+    return fused.shift(ctx.offset(fused, labels=ctx.labels, name=name))
 
 
 def _balanced(ctx: RowContext) -> AffineMap:
     fused = ctx.head.fused()
-    return fused.shift(ctx.offset(fused, method=ctx.options.bias))
+    name = "beta-hat of f_f for the 'f_d balanced' row"
+    return fused.shift(ctx.offset(fused, method=ctx.options.bias, name=name))
 
 
 def _zeros(ctx: RowContext) -> Tensor:

@@ -63,7 +63,7 @@ def test_non_finite_features_skip_one_sample_and_the_rest_equals_frolic(tiny_cli
         "seen": 40,
     }
     correct = int((out["prediction"][keep] == out["target"][keep]).sum())
-    assert module.metrics_["acc/f_d"] == correct / 39  # exact ratio over the labelled, used
+    assert module.metrics_["accuracy/f_d"] == correct / 39  # exact ratio over the labelled, used
 
 
 def test_two_processes_count_skipped_samples_like_one(tiny_clip, tmp_path):

@@ -84,7 +84,8 @@ def test_few_samples_per_class_keep_the_balanced_default():
 
 def test_confident_posteriors_keep_beta_a_bounded_prior_and_say_so():
     world = clip_like_world(5000, seed=4)
-    with pytest.warns(UserWarning, match="do not determine the label bias"):
+    which = r"do not determine beta-hat of f_c \(the zero-shot model's pre-training prior\) in"
+    with pytest.warns(UserWarning, match=which):
         result = frolic_tta.frolic(world.features, world.prototypes, tau_c=0.0005)
     priors = result.priors
     ratio = float(priors.zero_shot_beta.max() / priors.zero_shot_beta.min())

@@ -69,7 +69,7 @@ def test_row_metrics_match_numpy_and_sklearn(dtype):
         probs = softmax(scaled, axis=1)
         assert probs.max() < 1.0 or dtype == torch.float32, row  # no saturated confidence
         expected = {
-            "acc": float((scaled.argmax(1) == y).mean()),
+            "accuracy": float((scaled.argmax(1) == y).mean()),
             "top5": top_k_accuracy_score(y, scaled, k=5, labels=np.arange(k)),
             "recall": balanced_accuracy_score(y, scaled.argmax(1)),
             "ece": reference_ece(probs, y),
@@ -82,7 +82,7 @@ def test_row_metrics_match_numpy_and_sklearn(dtype):
             )
         class_recall = recall_score(y, scaled.argmax(1), average=None, labels=np.arange(k))
         np.testing.assert_allclose(per_class[row].numpy(), class_recall, atol=1e-6)
-    assert scalars["acc/f_d"] == round(scalars["acc/f_d"] * 1200) / 1200  # exact ratio
+    assert scalars["accuracy/f_d"] == round(scalars["accuracy/f_d"] * 1200) / 1200  # exact ratio
 
 
 def test_nll_metric_and_small_k():
@@ -95,7 +95,7 @@ def test_nll_metric_and_small_k():
         metric.update(logits, torch.tensor([0]))
     metrics = row_metrics(3, rows=["f_d"])  # K < 5: top-K
     assert sorted(metrics.keys()) == sorted(
-        ["acc/f_d", "top5/f_d", "recall/f_d", "ece/f_d", "nll/f_d", "class_acc/f_d"]
+        ["accuracy/f_d", "top5/f_d", "recall/f_d", "ece/f_d", "nll/f_d", "class_acc/f_d"]
     )
     assert metrics["top5/f_d"].top_k == 3
 
@@ -139,7 +139,7 @@ def test_two_process_gloo_group_equals_one_process():
     for scalars, per_class in ranks:
         assert set(scalars) == set(whole)
         for key, value in whole.items():
-            tolerance = 0.0 if key.startswith(("acc/", "top5/", "recall/")) else 1e-5
+            tolerance = 0.0 if key.startswith(("accuracy/", "top5/", "recall/")) else 1e-5
             assert scalars[key] == pytest.approx(value, abs=tolerance), key
         for row, values in whole_class.items():
             torch.testing.assert_close(per_class[row], values, rtol=0, atol=1e-7)

@@ -20,6 +20,7 @@ from frolic_tta.clip.loading import WeightsNotFoundError
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.data import IndexedDataset
 from frolic_tta.lightning.writer import concat_outputs
+from frolic_tta.metrics import ROW_METRICS
 from frolic_tta.rows import ROWS
 from tests.generated import CLASS_NAMES, GeneratedImages
 
@@ -111,19 +112,19 @@ def test_encoder_runs_once_per_image(single_101):
 def test_metrics_cover_table_rows_and_match_outputs(single_101):
     module, out, _ = single_101
     keys = {
-        "acc/f_c",
-        "acc/f_c-ln_beta",
-        "acc/f_g",
-        "acc/f_c+f_g",
-        "acc/f_f",
-        "acc/f_d",
-        "acc/tde",
-        "acc/implicit",
-        "acc/oracle",
+        "accuracy/f_c",
+        "accuracy/f_c - ln beta",
+        "accuracy/f_g",
+        "accuracy/f_c + f_g",
+        "accuracy/f_f",
+        "accuracy/f_d",
+        "accuracy/tde",
+        "accuracy/implicit",
+        "accuracy/oracle",
     }
     assert keys <= set(module.metrics_)
     final = float((out["prediction"] == out["target"]).double().mean())
-    assert module.metrics_["acc/f_d"] == pytest.approx(final)
+    assert module.metrics_["accuracy/f_d"] == pytest.approx(final)
 
 
 def test_exported_head_reproduces_and_scores_new_data(tiny_clip, single_101, tmp_path):
@@ -181,8 +182,8 @@ def test_class_probability_and_no_logits_mode(tiny_clip, single_101):
     lean_out = concat_outputs(make_trainer().predict(lean, loader(101)))
     assert "logits" not in lean_out
     assert torch.equal(lean_out["prediction"], out["prediction"])
-    scores = {key for key in lean.metrics_ if "/" in key}  # ablations off: f_d's metrics only
-    assert scores == {f"{kind}/f_d" for kind in ("acc", "top5", "recall", "ece", "nll")}
+    scores = {key for key in lean.metrics_ if key.split("/")[0] in ROW_METRICS}  # f_d's only
+    assert scores == {f"{kind}/f_d" for kind in ("accuracy", "top5", "recall", "ece", "nll")}
     assert lean.metrics_["nll/f_d"] == pytest.approx(module.metrics_["nll/f_d"], rel=1e-4)
 
 
@@ -236,10 +237,10 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
         # is estimated from the features, so it moves with them like beta (assert_logits_close)
         summary["head"]["test_prior"], single_module.head.test_prior, rtol=0, atol=1e-4
     )
-    scores = {k: v for k, v in single_module.metrics_.items() if "/" in k}
+    scores = {k: v for k, v in single_module.metrics_.items() if k.split("/")[0] in ROW_METRICS}
     assert len(scores) == len(ROWS) * 5  # top-1, top-5, recall, ECE, NLL of every row
     for key, value in scores.items():  # synced over ranks: same counts as one process
-        counted = key.startswith(("acc/", "top5/", "recall/"))
+        counted = key.startswith(("accuracy/", "top5/", "recall/"))
         # ECE, NLL follow the logits, which move by ~1e-4 of their scale between batchings
         # (see assert_logits_close), through the label-bias solves stopped at tolerance eps
         tolerance = {"abs": 1e-6} if counted else {"rel": 5e-3}
@@ -273,7 +274,7 @@ def test_metrics_of_a_labelled_run_do_not_survive_an_unlabelled_one(tiny_clip):
     module = make_module(tiny_clip)
     trainer = make_trainer()
     trainer.predict(module, loader(24))
-    assert "acc/f_d" in module.metrics_ and module.samples_["labelled"] == 24
+    assert "accuracy/f_d" in module.metrics_ and module.samples_["labelled"] == 24
     trainer.predict(module, loader(24, labeled=False))
     assert module.metrics_ == {} and module.samples_["labelled"] == 0
     assert float(module.class_probability_["after"].sum()) == pytest.approx(1.0)
@@ -307,7 +308,7 @@ def test_labels_in_only_some_batches_are_kept_and_scored(tiny_clip):
     expected = torch.where(labelled, torch.arange(32) % 3, torch.tensor(-1))
     assert torch.equal(out["target"], expected)  # none dropped, none invented
     correct = int((out["prediction"][labelled] == out["target"][labelled]).sum())
-    assert module.metrics_["acc/f_d"] == correct / 16
+    assert module.metrics_["accuracy/f_d"] == correct / 16
     assert module.samples_["labelled"] == 16
 
 
@@ -324,7 +325,7 @@ def test_forward_gives_the_adapted_logits_or_says_why_not(tiny_clip, single_101)
 def test_accuracies_are_exact_ratios(single_101):
     module, out, _ = single_101
     for key, value in module.metrics_.items():
-        if key.startswith(("acc/", "top5/")):
+        if key.startswith(("accuracy/", "top5/")):
             assert value * 101 == pytest.approx(round(value * 101), abs=1e-9), key
             assert value == round(value * 101) / 101, key  # no float32 noise
 

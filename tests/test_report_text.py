@@ -37,3 +37,40 @@ def test_metrics_are_rounded_to_their_precision():
     assert _float32(float(np.float32(0.79))) == 0.79
     assert _ratio(float(np.float32(79 / 100)), 100) == 0.79
     assert _ratio(float(np.float32(1 / 3)), 3) == 1 / 3
+
+
+def test_one_spelling_of_metric_keys_in_python_and_metrics_json(
+    tiny_clip, image_folder, tmp_path, monkeypatch
+):
+    """``model.metrics_["<key>/<row>"]`` is ``metrics.json["<key>"]["<row>"]``."""
+    import json
+    import sys
+
+    import pytest
+
+    from frolic_tta.lightning.cli import FrolicCLI
+    from frolic_tta.metrics import ROW_METRICS
+    from frolic_tta.rows import ROWS
+    from tests.test_cli import tiny_args
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    quiet = ["--trainer.enable_progress_bar", "false", "--report.print_table", "false"]
+    out = tmp_path / "run"
+    cli = FrolicCLI(args=tiny_args(tiny_clip, image_folder, out, *quiet, "--report.plots", "false"))
+    stored = json.loads((out / "metrics.json").read_text())
+    nested = {k: v for k, v in cli.model.metrics_.items() if "/" in k}
+    assert {k.split("/")[0] for k in nested} == set(ROW_METRICS) | {"test_prior"}
+    assert {k.split("/", 1)[1] for k in nested if k.startswith("accuracy/")} == set(ROWS)
+    for key, value in nested.items():
+        group, name = key.split("/", 1)
+        assert stored[group][name] == pytest.approx(value, rel=1e-6), key
+    assert stored["tau_g"] == pytest.approx(cli.model.metrics_["tau_g"], rel=1e-12)
+
+
+def test_config_comments_say_split_files_are_picked_up():
+    """Every shipped config of a dataset with a standard split says it is found on its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    told = [p.name for p in root.rglob("*.yaml") if "pass --data.split_file" in p.read_text()]
+    assert told == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,8 +18,22 @@ from PIL import Image
 
 from frolic_tta.data.paper_results import paper_number, paper_results
 from frolic_tta.lightning.cli import FrolicCLI
-from frolic_tta.lightning.sweep import load_sweep, main, plan_runs, run_sweep
-from frolic_tta.lightning.tables import AVERAGES, RunResult, markdown_tables, write_csv
+from frolic_tta.lightning.sweep import (
+    DONE,
+    command_line,
+    dry_run,
+    load_sweep,
+    main,
+    plan_runs,
+    run_sweep,
+)
+from frolic_tta.lightning.tables import (
+    AVERAGES,
+    RunResult,
+    markdown_tables,
+    write_atomically,
+    write_csv,
+)
 from frolic_tta.rows import ROWS
 from tests.conftest import IMAGE_FOLDER_CLASSES, IMAGES_PER_CLASS
 from tests.towers import build_tower
@@ -109,7 +124,8 @@ def test_two_models_two_datasets_two_options(
             options={"default": {}, "paper": {"covariance": "paper", "bias": "paper"}},
         )
     )
-    first = run_sweep(config, echo=lambda line: None)
+    said: list[str] = []
+    first = run_sweep(config, echo=said.append)
     assert len(first["ran"]) == 8 and not first["skipped"] and not first["failed"]
     # each (model, dataset) encoded once: every image of both datasets once per model
     assert {k: sum(v) for k, v in encoded.items()} == {
@@ -118,46 +134,77 @@ def test_two_models_two_datasets_two_options(
     }
     runs = plan_runs(config)
     metrics = {r.name: json.loads((r.run_dir / "metrics.json").read_text()) for r in runs}
-    for run in runs:
+    for number, run in enumerate(runs, 1):
         n = N_EUROSAT if run.dataset == "eurosat" else N_DTD
         assert metrics[run.name]["images_encoded"] == (n if run.encodes else 0), run.name
+        # one line per finished run as it finishes: f_c -> f_d and the time it took
+        accuracy = metrics[run.name]["accuracy"]
+        found = f"f_c {100 * accuracy['f_c']:.1f}% → f_d {100 * accuracy['f_d']:.1f}%"
+        done = [line for line in said if line.startswith(f"[{number}/8] {run.name}: f_c")]
+        assert len(done) == 1 and re.fullmatch(
+            rf"\[{number}/8\] {re.escape(run.name)}: {found} \(\d+\.\d s\)", done[0]
+        ), said
+    assert said[-1].startswith("ran 8, skipped 0, failed 0; wrote ")
     encoded.clear()
-    second = run_sweep(config, echo=lambda line: None)
+    (runs[5].run_dir / DONE).unlink()  # one run not finished: --dry_run lists it to run
+    planned = dry_run(config).splitlines()
+    marked = [line for line in planned if line.startswith("# done: python -m")]
+    assert len(marked) == 7 and planned[-1] == "# 7 of 8 runs finished earlier (# done:)"
+    assert command_line(runs[5], []) in planned
+    assert not any(line.startswith("# done:") for line in dry_run(config, force=True).splitlines())
+    write_atomically(runs[5].run_dir / DONE, json.dumps({"args": runs[5].args}))
+    second = run_sweep(config, echo=said.append)
     assert encoded == {} and not second["ran"] and len(second["skipped"]) == 8
+    accuracy = metrics[runs[0].name]["accuracy"]
+    skipped = f"[1/8] {runs[0].name}: done earlier, skipped: f_c {100 * accuracy['f_c']:.1f}% → "
+    assert any(line.startswith(skipped) for line in said)
 
-    # results.csv: every run and row, values exactly as in metrics.json
+    # results.csv: every run and row, every metric of metrics.json under its own name, exactly
     with (out / "results.csv").open() as f:
         lines = list(csv.DictReader(f))
     assert len(lines) == 8 * len(ROWS)
     by_dir = {str(r.run_dir): r for r in runs}
     for line in lines:
         run = by_dir[line["run_dir"]]
+        m, row = metrics[run.name], line["row"]
         assert (line["model"], line["dataset"], line["options"]) == (
             run.model, run.dataset, run.options
         )  # fmt: skip
-        assert float(line["top1"]) == metrics[run.name]["accuracy"][line["row"]]
-    # tables.md: Table 1's layout, ours beside the paper's number and the difference
+        for kind in ("accuracy", "top5", "recall", "ece", "nll"):
+            assert float(line[kind]) == m[kind][row], (kind, row)
+        for key in ("tau_c", "tau_g", "test_prior/likelihood_ratio", "beta/max_over_min"):
+            group, _, name = key.rpartition("/")
+            assert float(line[key]) == (m[group][name] if group else m[key]), key
+        assert line["options/bias"] == m["options"]["bias"] and line["num_samples"] == str(
+            m["num_samples"]
+        )
+    # tables.md: one Table 1 per model and prompts, datasets as columns, option sets as lines,
+    # ours with the difference to the paper's number, then the paper's number
     tables = (out / "tables.md").read_text()
+    levels = [len(h) - len(h.lstrip("#")) for h in tables.splitlines() if h.startswith("#")]
+    assert levels[0] == 1 and all(b <= a + 1 for a, b in zip(levels, levels[1:], strict=False))
+    assert set(levels) == {1, 2, 3} and tables.count("\n## ") == 2
     columns = list(paper_results()["tables"]["tab:cross_data"]["columns"])
-    for run in runs:
-        if run.model != "vit" or run.dataset != "eurosat":
-            continue
-        accuracy = metrics[run.name]["accuracy"]
-        section = tables.split(f"· options: {run.options} ")[1].split("\n## ")[0]
-        table1 = section.split("#### Table 1 ")[1].split("####")[0]
-        dtd = metrics[run.name.replace("eurosat", "dtd")]["accuracy"]
-        ours, delta = ["–"] * len(columns), ["–"] * len(columns)
-        for name, value in (("dtd", dtd["f_d"]), ("eurosat", accuracy["f_d"])):
+    section = tables.split("\n## vit ")[1].split("\n## ")[0]
+    table1 = section.split("### Table 1 ")[1].split("###")[0]
+    assert table1.count("### Table 1") == 0 and section.count("### Table 1 ") == 1
+    frolic_lines = []
+    for options in ("default", "paper"):
+        key = ("vit", "eurosat", options)
+        run = next(r for r in runs if (r.model, r.dataset, r.options) == key)
+        ours = ["–"] * len(columns)
+        for name in ("dtd", "eurosat"):
+            value = metrics[run.name.replace("eurosat", name)]["accuracy"]["f_d"]
             paper = paper_number(1, "ViT-B/16", "Frolic", name).value
-            ours[columns.index(name)] = f"{100 * value:.1f}"
-            delta[columns.index(name)] = f"{100 * value - paper:+.1f}"
-        frolic = f"| f_d: {ROWS['f_d'].label} | ours | " + " | ".join(ours) + " |\n"
-        assert frolic + "| | paper, Table 1: Frolic | 92.9 | 74.8 | " in table1
-        assert "| | Δ | " + " | ".join(delta) + " |" in table1.split(frolic)[1]
-        assert "| | paper, Table 1: CLIP | " in table1  # templates only: CLIP, not CuPL-CLIP
-        assert "#### Table 4 (tab:debias_cmp)" in section and "#### Table 2" not in section
-    resnet_sections = tables.split("## resnet ")[1:]
-    assert len(resnet_sections) == 2 and all("paper, Table" not in s for s in resnet_sections)
+            ours[columns.index(name)] = f"{100 * value:.1f} ({100 * value - paper:+.1f})"
+        first_cell = f"f_d: {ROWS['f_d'].label}" if options == "default" else ""
+        frolic_lines.append(f"| {first_cell} | {options} | " + " | ".join(ours) + " |")
+    frolic_lines.append("| | paper, Table 1: Frolic | 92.9 | 74.8 | ")
+    assert "\n".join(frolic_lines) in table1
+    assert "| | paper, Table 1: CLIP | " in table1  # templates only: CLIP, not CuPL-CLIP
+    assert "### Table 4 (tab:debias_cmp)" in section and "### Table 2" not in section
+    resnet_section = tables.split("\n## resnet ")[1]
+    assert "paper, Table" not in resnet_section
 
 
 def test_sweep_of_ddp_runs_through_the_cli(tiny_clip, image_folder, tmp_path):
@@ -243,19 +290,24 @@ def test_tables_fill_the_papers_averages_and_compare_with_the_right_method(tmp_p
         for d, value in accuracy.items()
     ]  # fmt: skip
     tables = markdown_tables(results)
-    table1 = tables.split("#### Table 1 ")[1].split("####")[0]
-    assert "| f_d: Frolic (fused, debiased) | ours | " + "50.0 | " * 10 + "50.0 |" in table1
+    table1 = tables.split("### Table 1 ")[1].split("###")[0]
+    frolic = [paper_number(1, "ViT-B/16", "Frolic", d).value for d in ten]
+    ours = " | ".join(f"50.0 ({50 - p:+.1f})" for p in frolic) + " | 50.0 (-21.1) |"
+    assert "| f_d: Frolic (fused, debiased) | paper | " + ours in table1
     assert "| | paper, Table 1: CuPL-CLIP | 92.0 | " in table1  # f_c with descriptions
-    assert table1.count("| | Δ |") == 2 and "| -21.1 |\n" in table1  # 50.0 - 71.1
-    table2 = tables.split("#### Table 2 ")[1].split("####")[0]
-    assert "| ours | 60.0 | 60.0 | 60.0 | 60.0 | 60.0 | 60.0 | 60.0 |" in table2
-    assert "| | Δ | -10.9 | -4.7 | +6.7 | -0.4 | -20.7 | +3.4 | -4.4 |" in table2
-    table3 = tables.split("#### Table 3 ")[1].split("####")[0]
-    assert "| f_d: Frolic (fused, debiased) | ours | 50.0 | 60.0 | 60.0 |" in table3
-    assert "| | Δ | -21.1 | -10.9 | -3.1 |" in table3 and "Averages not shown" not in table3
-    table4 = tables.split("#### Table 4 ")[1].split("####")[0]
-    assert "| 60.0 | 50.9 |" in table4  # ImageNet, then the mean of 10 x 50 and 60 over 11
+    assert table1.count("| | paper, Table 1:") == 2
+    table2 = tables.split("### Table 2 ")[1].split("###")[0]
+    assert "| paper | 60.0 (-10.9) | 60.0 (-4.7) | 60.0 (+6.7) | 60.0 (-0.4) | 60.0 (-20.7) | " in (
+        table2
+    )
+    table3 = tables.split("### Table 3 ")[1].split("###")[0]
+    frolic = "| f_d: Frolic (fused, debiased) | paper | 50.0 (-21.1) | 60.0 (-10.9) | 60.0 (-3.1) |"
+    assert frolic in table3
+    assert "Averages not shown" not in table3
+    table4 = tables.split("### Table 4 ")[1].split("###")[0]
+    assert "| 60.0 (-10.9) | 50.9 (-20.0) |" in table4  # ImageNet, the mean of 10 x 50, 60
     write_csv(tmp_path / "results.csv", results)
     with (tmp_path / "results.csv").open() as f:
         lines = list(csv.DictReader(f))
     assert len(lines) == 2 * 16 and {line["top5"] for line in lines} == {"", "0.9"}
+    assert {line["accuracy"] for line in lines if line["row"] == "f_d"} == {"0.5", "0.6"}

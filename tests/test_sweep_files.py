@@ -16,6 +16,7 @@ import yaml
 
 from frolic_tta.lightning import tables
 from frolic_tta.lightning.sweep import DONE, load_sweep, main, plan_runs
+from frolic_tta.lightning.sweep_files import result_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,3 +122,11 @@ def test_a_run_stops_with_the_sweep(tmp_path, how):
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(child), f"the run (pid {child}) outlived the sweep ({how.name})"
+
+
+def test_a_finished_run_is_one_line():
+    found = {"accuracy": {"f_c": 0.82, "f_d": 0.92667, "f_g": 0.5}}
+    assert result_line(found, 12.34) == "f_c 82.0% → f_d 92.7% (12.3 s)"
+    assert result_line({"accuracy": {}, "tau_g": 2.0}, 75) == "no labels (1 min 15 s)"
+    assert result_line({"accuracy": {"f_d": {"top1": 0.5}}}) == "f_d 50.0%"  # a stored head
+    assert result_line(None, 7300) == "metrics.json unreadable (2 h 01 min)"

@@ -47,6 +47,7 @@ from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F40
 from frolic_tta.data.datamodules import check_samples_per_rank
 from frolic_tta.errors import FrolicInputError, write_error
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
+from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, FrolicHelpFormatter
 from frolic_tta.lightning.entry import (
     RUN,
     error_folder,
@@ -146,7 +147,10 @@ class FrolicCLI(LightningCLI):
             "trainer_defaults": {"logger": False},
             "seed_everything_default": False,
             "auto_configure_optimizers": False,
-            "parser_kwargs": {"description": DESCRIPTION},
+            "parser_kwargs": {
+                "description": DESCRIPTION,
+                "predict": {"description": PREDICT_DESCRIPTION},
+            },
         }
         super().__init__(args=args, run=run, **{**defaults, **kwargs})
 
@@ -154,6 +158,13 @@ class FrolicCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {"predict": {"model", "dataloaders", "datamodule"}}
+
+    @override
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """``predict --help`` with :class:`~frolic_tta.lightning.cli_help.FrolicHelpFormatter`
+        (a subcommand parser takes its parent's formatter when it is added)."""
+        super()._add_subcommands(parser, **kwargs)
+        self._subcommand_parsers["predict"].formatter_class = FrolicHelpFormatter
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -191,9 +202,12 @@ class FrolicCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         """Parse, giving a logger named on the command line without a ``save_dir`` the run's
         ``--output_dir`` (``--trainer.logger CSVLogger`` alone writes under the outputs)."""
-        if args is None or isinstance(args, list):
-            args = with_logger_save_dir(list(sys.argv[1:] if args is None else args))
-        super().parse_arguments(parser, args)
+        if args is None or isinstance(args, list):  # parsed here: Lightning warns about a list
+            self.config = parser.parse_args(
+                with_logger_save_dir(list(sys.argv[1:] if args is None else args))
+            )
+        else:
+            super().parse_arguments(parser, args)
 
     @override
     def before_instantiate_classes(self) -> None:

@@ -381,8 +381,9 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             rows, self.head, features, labels, num_labelled=total, chunk_size=hp.chunk_size
         )
         prior, tau_g = self.priors_, self.head.tau_g
-        self.metrics_.update(tau_g=tau_g, test_prior_weight=prior.shift_weight)
-        self.metrics_.update(test_prior_passes=prior.passes, test_prior_converged=prior.converged)
+        self.metrics_.update({"tau_g": tau_g, "test_prior/shift_weight": prior.shift_weight})
+        self.metrics_.update({"test_prior/passes": prior.passes,
+                              "test_prior/converged": prior.converged})  # fmt: skip
         if self.trainer.logger is not None:
             self.trainer.logger.log_metrics(self.metrics_, step=0)
 

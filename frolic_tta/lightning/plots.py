@@ -55,7 +55,7 @@ def _series(
 def _finish(ax: Axes, order: Tensor, names: list[str], path: Path, fig: Figure) -> Path:
     """Uniform level, class axis, legend, and the PNG at ``path``."""
     k = order.numel()
-    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K")
+    ax.axhline(1.0 / k, color="black", linestyle="--", linewidth=1, label="uniform 1/K", zorder=1)
     _class_axis(ax, order, names)
     ax.legend()
     fig.savefig(path, dpi=120)
@@ -100,6 +100,17 @@ def plot_class_probability(
     return _finish(ax, order, names, Path(output_dir) / "class_probability.png", fig)
 
 
+TEST_PRIOR_STYLE = {"color": "tab:green", "linestyle": ":", "linewidth": 2.5, "zorder": 2.5}
+"""Above the 1/K line (``zorder`` 1), so a balanced test prior, on that line, stays visible."""
+
+
+def _test_prior_label(priors: Priors, test: Tensor) -> str:
+    how = "estimated" if priors.raw_test_prior is not None else "assumed"
+    if torch.allclose(test, torch.full_like(test, 1.0 / test.numel()), rtol=1e-5, atol=0.0):
+        return f"test prior ({how}): balanced, on 1/K"
+    return f"test prior ({how})"
+
+
 def plot_priors(priors: Priors, names: list[str], output_dir: str | Path, title: str = "") -> Path:
     r"""The estimated priors per class, sorted by the zero-shot model's pre-training prior, log
     scale: :math:`\hat\beta` of the zero-shot model (Proposition 2 on :math:`f_c/\tau_c`),
@@ -128,7 +139,7 @@ def plot_priors(priors: Priors, names: list[str], output_dir: str | Path, title:
         flagged = undetermined.cpu()[order].nonzero().flatten().tolist()
         ax.scatter(flagged, values[flagged], marker="x", color="black", zorder=3)
     test = _check(priors.test_prior, names, "`test_prior`")[order]
-    ax.plot(range(len(names)), test, linestyle=":", label="test prior (estimated)")
+    ax.plot(range(len(names)), test, label=_test_prior_label(priors, test), **TEST_PRIOR_STYLE)
     ax.set_yscale("log")
     ax.set_ylabel("probability")
     ax.set_title(_title(title, "estimated priors per class (x: not determined by the data)"))

@@ -241,7 +241,7 @@ class FrolicReport(FrolicPredictionWriter):
             }
             for kind in ROW_METRICS
         }
-        accuracy = {row: _ratio(v, num_evaluated) for row, v in scores.pop("acc").items()}
+        accuracy = {row: _ratio(v, num_evaluated) for row, v in scores.pop("accuracy").items()}
         if not accuracy and num_evaluated:  # a stored head: f_d's top-1 only
             correct = int((joined["prediction"][evaluated] == target[evaluated]).sum())
             accuracy = {"f_d": correct / num_evaluated}

@@ -43,28 +43,30 @@ import json
 import shlex
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from frolic_tta.data.datasets import canonical_dataset_name
 from frolic_tta.data.paper_results import backbone_name
 from frolic_tta.data.store import DTYPES, FeatureStoreError
 from frolic_tta.lightning.sweep_files import (
     TYPES,
     SweepError,
+    duration,
     read_config,
     read_json,
+    result_line,
     run_child,
     terminated,
 )
-from frolic_tta.lightning.tables import RunResult, write_atomically, write_results
+from frolic_tta.lightning.tables import collect_results, write_atomically, write_results
 from frolic_tta.options import FrolicOptions
 
-__all__ = ["Run", "SweepError", "cli_args", "load_sweep", "main", "plan_runs", "run_sweep"]
+__all__ = [
+    "Run", "SweepError", "cli_args", "dry_run", "load_sweep", "main", "plan_runs", "run_sweep",
+]  # fmt: skip
 
 KEYS = {
     "output_dir", "config", "args", "feature_store", "feature_store_dtype", "runner",
@@ -102,13 +104,17 @@ class Run:
     def name(self) -> str:
         return f"{self.model} · {self.dataset} · {self.prompts} · {self.options}"
 
+    @property
+    def metrics_file(self) -> Path:
+        return self.run_dir / "metrics.json"
+
     def done(self) -> bool:
         """Finished earlier with the same arguments (a marker or ``metrics.json`` that cannot
         be read, e.g. truncated by a killed sweep, means not finished)."""
         marker = read_json(self.run_dir / DONE)
         if not isinstance(marker, dict) or marker.get("args") != self.args:
             return False
-        return isinstance(read_json(self.run_dir / "metrics.json"), dict)
+        return isinstance(read_json(self.metrics_file), dict)
 
 
 # ------------------------------------------------------------------ config
@@ -286,6 +292,26 @@ def command_line(run: Run, launcher: list[str]) -> str:
     return " ".join(shlex.quote(part) for part in command)
 
 
+def dry_run(config: dict[str, Any], force: bool = False) -> str:
+    """The commands of every run, encoding runs first; a run finished earlier (that a sweep
+    skips, unless ``force``) is commented out: ``# done: python -m ...``."""
+    launcher = shlex.split(config.get("launcher") or "")
+    runs = plan_runs(config)
+    done = {run.name for run in runs if not force and run.done()}
+    lines = ["# 1. encode each (model, dataset) once; each writes its feature store"]
+    for encodes in (True, False):
+        if not encodes:
+            lines.append("# 2. then the rest (they read the stores; independent of each other)")
+        lines += [
+            ("# done: " if run.name in done else "") + command_line(run, launcher)
+            for run in runs
+            if run.encodes == encodes
+        ]
+    if done:
+        lines.append(f"# {len(done)} of {len(runs)} runs finished earlier (# done:)")
+    return "\n".join(lines)
+
+
 def run_sweep(config: dict[str, Any], force: bool = False, echo: Any = print) -> dict[str, Any]:
     """Run every run that is not done; then write the tables.
 
@@ -300,53 +326,30 @@ def run_sweep(config: dict[str, Any], force: bool = False, echo: Any = print) ->
         head = f"[{number}/{len(runs)}] {run.name}"
         if not force and run.done():
             skipped.append(run.name)
-            echo(f"{head}: done earlier, skipped")
+            echo(f"{head}: done earlier, skipped: {result_line(read_json(run.metrics_file))}")
             continue
         if (run.model, run.dataset) in broken:
             failed[run.name] = "not run: the first run of this model and dataset failed"
             continue
         echo(f"{head}: running" + (" (encodes the images)" if run.encodes else ""))
+        start = time.monotonic()
         if config["runner"] == "inprocess":
             error = _run_inprocess(run)
         else:
             error = _run_subprocess(run, launcher)
+        seconds = time.monotonic() - start
         if error is not None:
             failed[run.name] = error
             broken.add((run.model, run.dataset))
-            echo(f"{head}: failed: {error}")
+            echo(f"{head}: failed after {duration(seconds)}: {error}")
             continue
         write_atomically(run.run_dir / DONE, json.dumps({"args": run.args}, indent=1) + "\n")
         ran.append(run.name)
+        echo(f"{head}: {result_line(read_json(run.metrics_file), seconds)}")
     tables = write_results(config["output_dir"], collect_results(runs))
     echo(f"ran {len(ran)}, skipped {len(skipped)}, failed {len(failed)}; wrote {tables[0]}, "
          f"{tables[1]}")  # fmt: skip
     return {"ran": ran, "skipped": skipped, "failed": failed, "tables": tables}
-
-
-def collect_results(runs: list[Run]) -> list[RunResult]:
-    """The finished runs' ``metrics.json`` with their names, in grid order."""
-    results = []
-    for run in runs:
-        metrics_file = run.run_dir / "metrics.json"
-        if not run.done():
-            continue
-        saved = run.run_dir / "config.yaml"  # the run's full config, saved by the CLI
-        try:
-            config = yaml.safe_load(saved.read_text()) if saved.is_file() else None
-        except yaml.YAMLError:
-            config = None
-        config = config if isinstance(config, dict) else {}
-        prompts_file = (config.get("model") or run.details["model"]).get("prompts_file")
-        try:
-            column = canonical_dataset_name(run.dataset)
-        except ValueError:
-            column = run.dataset
-        results.append(
-            RunResult(run.model, run.backbone, column, run.prompts, run.options,
-                      prompts_file is not None, read_json(metrics_file),
-                      run.run_dir, run.details)
-        )  # fmt: skip
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,12 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runner:
         config["runner"] = args.runner
     if args.dry_run:
-        launcher = shlex.split(config.get("launcher") or "")
-        runs = plan_runs(config)
-        print("# 1. encode each (model, dataset) once; each writes its feature store")
-        print("\n".join(command_line(r, launcher) for r in runs if r.encodes))
-        print("# 2. then the rest (they read the stores; independent of each other)")
-        print("\n".join(command_line(r, launcher) for r in runs if not r.encodes))
+        print(dry_run(config, args.force))
         return 0
     if args.tables_only:
         paths = write_results(config["output_dir"], collect_results(plan_runs(config)))

@@ -3,14 +3,18 @@
 :func:`write_results` reads the ``metrics.json`` of every finished run of a sweep and writes
 
 * ``results.csv``: one line per run and row (every key of ``metrics.json``'s ``accuracy``:
-  the rows of :data:`frolic_tta.rows.ROWS` the run reported, zero-shot ``f_c`` included), with
-  the values exactly as ``metrics.json`` holds them (top-1 as a fraction; a row whose value is
-  a dict of metrics gets one column per metric);
-* ``tables.md``: per setting (model, prompts, options), the paper's Tables 1-4 (per-dataset
+  the rows of :data:`frolic_tta.rows.ROWS` the run reported, zero-shot ``f_c`` included) with
+  every metric of ``metrics.json``, named as there and valued exactly as there: the row's
+  ``accuracy``, ``top5``, ``recall``, ``ece``, ``nll`` (any per-row mapping), then the run's
+  own numbers (``tau_c``, ``tau_g``, ``test_prior/likelihood_ratio``, ``beta/max_over_min``,
+  ``options/bias``, ...: every value outside a list, nested keys joined by ``/`` as in
+  :func:`frolic_tta.metrics.metric_key`);
+* ``tables.md``: per model and prompts (``##``), the paper's Tables 1-4 (``###``; per-dataset
   columns, the 10-dataset average, ImageNet and the ImageNet-variants averages) with our top-1
-  in %, the paper's published number (:mod:`frolic_tta.data.paper_results`, its table cited)
-  and the difference, then every row on every dataset of the sweep. An average is shown only
-  when every dataset it averages was run.
+  in % for every option set of the sweep side by side (one line each), the difference to the
+  paper's published number in parentheses and that number below
+  (:mod:`frolic_tta.data.paper_results`, its table cited); then every row on every dataset.
+  An average is shown only when every dataset it averages was run.
 """
 
 from __future__ import annotations
@@ -24,12 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from frolic_tta.data.datasets import canonical_dataset_name
 from frolic_tta.data.paper_results import paper_results
+from frolic_tta.lightning.sweep_files import read_json
 from frolic_tta.rows import ROWS
 
-__all__ = ["AVERAGES", "RunResult", "average_members", "markdown_tables", "write_results"]
+__all__ = [
+    "AVERAGES", "RunResult", "average_members", "collect_results", "markdown_tables",
+    "write_results",
+]  # fmt: skip
 
-TOP1 = "top1"
+TOP1 = "accuracy"
+"""Top-1 as ``metrics.json`` names it (``{"f_d": {"top1": ...}}`` of older files is read too)."""
 
 
 def _table(number: int) -> tuple[str, dict[str, Any]]:
@@ -77,12 +89,47 @@ class RunResult:
     run_dir: Path
     details: dict[str, Any] = field(default_factory=dict)
 
-    def values(self, row: str) -> dict[str, float]:
-        """The metrics of ``row`` (``{"top1": ...}`` for a plain accuracy)."""
+    def values(self, row: str) -> dict[str, Any]:
+        """Every metric of ``row``: ``{"accuracy": ..., "top5": ..., ...}`` as in ``metrics.json``
+        (a metric that did not score ``row``, e.g. a stored head's, is left out)."""
         value = self.metrics.get("accuracy", {}).get(row)
         if value is None:
             return {}
-        return dict(value) if isinstance(value, dict) else {TOP1: float(value)}
+        if isinstance(value, dict):  # an older layout: {"top1": ..., "top5": ...} per row
+            values = {TOP1 if k == "top1" else k: v for k, v in value.items()}
+        else:
+            values = {TOP1: value}
+        for key in _row_metric_keys(self.metrics):
+            if row in self.metrics[key] and key not in values:
+                values[key] = self.metrics[key][row]
+        return values
+
+    def run_values(self) -> dict[str, Any]:
+        """The run's own numbers: every value of ``metrics.json`` outside the per-row metrics
+        and outside lists, nested keys joined by ``/`` (``test_prior/likelihood_ratio``)."""
+        rows = _row_metric_keys(self.metrics)
+        return _flat({k: v for k, v in self.metrics.items() if k not in rows and k != "accuracy"})
+
+
+def _row_metric_keys(metrics: dict[str, Any]) -> list[str]:
+    """The keys of ``metrics.json`` that hold one number per row (``top5``, ``ece``, ...)."""
+    rows = set(metrics.get("accuracy") or {})
+    return [
+        key
+        for key, value in metrics.items()
+        if key != "accuracy" and isinstance(value, dict) and value and set(value) <= rows
+        and all(isinstance(v, int | float | type(None)) for v in value.values())
+    ]  # fmt: skip
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}/"))
+        elif not isinstance(value, list):
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _row_keys(results: Iterable[RunResult]) -> list[str]:
@@ -101,26 +148,38 @@ def write_atomically(path: str | Path, text: str) -> None:
     os.replace(temporary, target)
 
 
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+NAMES = ("model", "model_name", "pretrained", "backbone", "dataset", "prompts", "options")
+
+
 def write_csv(path: Path, results: Sequence[RunResult]) -> None:
-    """``results.csv``: one line per (run, row), metric values as ``metrics.json`` has them."""
+    """``results.csv``: one line per (run, row); every metric of the run's ``metrics.json``
+    under its own name (per row, then the run's), values as ``metrics.json`` has them."""
     metrics: dict[str, None] = {}
+    run_keys: dict[str, None] = {}
     for result in results:
         for row in _row_keys([result]):
             metrics.update(dict.fromkeys(result.values(row)))
-    head = ["model", "model_name", "pretrained", "backbone", "dataset", "prompts", "options"]
-    tail = ["num_samples", "num_classes", "split", "features", "images_encoded", "run_dir"]
+        run_keys.update(dict.fromkeys(k for k in result.run_values() if k not in NAMES))
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer)
-    writer.writerow([*head, "row", *metrics, *tail])
+    writer.writerow([*NAMES, "row", *metrics, *run_keys, "run_dir"])
     for r in results:
-        m = r.metrics
+        m, own = r.metrics, r.run_values()
         for row in _row_keys([r]):
             values = r.values(row)
             writer.writerow(
                 [r.model, m.get("model_name"), m.get("pretrained"), r.backbone or "",
                  r.dataset, r.prompts, r.options, row,
-                 *[repr(values[k]) if k in values else "" for k in metrics],
-                 *[m.get(k, "") for k in tail[:-1]], str(r.run_dir)]
+                 *[_cell(values.get(k)) for k in metrics],
+                 *[_cell(own.get(k)) for k in run_keys], str(r.run_dir)]
             )  # fmt: skip
     write_atomically(path, buffer.getvalue())
 
@@ -161,44 +220,59 @@ def _table_rows(content: dict[str, Any], number: int, reported: list[str]) -> li
     return [r for r in reported if r in mapped or (r in ROWS and ROWS[r].table == str(number))]
 
 
+def _by_options(results: Sequence[RunResult]) -> dict[str, dict[str, RunResult]]:
+    """Option set -> dataset -> its run, in the sweep's order."""
+    grouped: dict[str, dict[str, RunResult]] = {}
+    for result in results:
+        grouped.setdefault(result.options, {})[result.dataset] = result
+    return grouped
+
+
+def _with_delta(ours: float | None, paper: float | None) -> str:
+    if ours is None or paper is None:
+        return _pct(ours)
+    return f"{_pct(ours)} ({100 * ours - paper:+.1f})"
+
+
 def paper_table(number: int, results: Sequence[RunResult]) -> str | None:
-    """Table ``number`` of the paper for one setting's runs, or ``None`` if none of our cells
-    can be filled (an average needs all of its datasets)."""
+    """Table ``number`` of the paper for the runs of one model and prompts: datasets as
+    columns, every option set of the sweep a line under each row, or ``None`` if none of our
+    cells can be filled (an average needs all of its datasets)."""
     label, content = _table(number)
     columns = list(content["columns"])
-    by_dataset = {r.dataset: r for r in results}
-    covered = {c for c in columns for d in AVERAGES.get(c, [c]) if d in by_dataset}
+    grouped = _by_options(results)
+    datasets = {r.dataset for r in results}
     rows = _table_rows(content, number, _row_keys(results))
-    if not any(_ours(by_dataset, row, c) is not None for row in rows for c in columns):
+    if not any(
+        _ours(by_dataset, row, c) is not None
+        for by_dataset in grouped.values() for row in rows for c in columns
+    ):  # fmt: skip
         return None
-    first = results[0]
-    backbone, descriptions = first.backbone, any(r.descriptions for r in results)
+    backbone, descriptions = results[0].backbone, any(r.descriptions for r in results)
     lines = [
-        f"#### Table {number} ({label}): {content['title']}",
+        f"### Table {number} ({label}): {content['title']}",
         "",
-        "| row | | " + " | ".join(content["columns"].values()) + " |",
+        "| row | options | " + " | ".join(content["columns"].values()) + " |",
         "|---|---|" + "---|" * len(columns),
     ]
     for row in rows:
-        name = f"{row}: {ROWS[row].label}" if row in ROWS else row
-        ours = [_ours(by_dataset, row, c) for c in columns]
-        lines.append(f"| {name} | ours | " + " | ".join(_pct(v) for v in ours) + " |")
         method = paper_method(label, backbone, row, descriptions)
-        if method is None:
-            continue
-        entry = content["rows"][backbone][method]
-        paper = [entry["values"].get(c) for c in columns]
-        cells = ["–" if p is None else f"{p:.1f}" for p in paper]
-        delta = [
-            "–" if o is None or p is None else f"{100 * o - p:+.1f}"
-            for o, p in zip(ours, paper, strict=True)
-        ]
-        lines.append(f"| | paper, Table {number}: {entry['label']} | " + " | ".join(cells) + " |")
-        lines.append("| | Δ | " + " | ".join(delta) + " |")
+        entry = content["rows"][backbone][method] if method is not None else None
+        paper = [entry["values"].get(c) if entry else None for c in columns]
+        name = f"{row}: {ROWS[row].label}" if row in ROWS else row
+        for options, by_dataset in grouped.items():
+            ours = [_ours(by_dataset, row, c) for c in columns]
+            cells = [_with_delta(o, p) for o, p in zip(ours, paper, strict=True)]
+            lines.append(f"| {name} | {options} | " + " | ".join(cells) + " |")
+            name = ""
+        if entry is not None:
+            cells = ["–" if p is None else f"{p:.1f}" for p in paper]
+            cited = f"paper, Table {number}: {entry['label']}"
+            lines.append(f"| | {cited} | " + " | ".join(cells) + " |")
     missing = {
-        c: [d for d in AVERAGES[c] if d not in by_dataset]
+        c: [d for d in AVERAGES[c] if d not in datasets]
         for c in columns
-        if c in AVERAGES and c in covered
+        if c in AVERAGES and any(d in datasets for d in AVERAGES[c])
     }
     notes = [f"{c} needs {', '.join(m)}" for c, m in missing.items() if m]
     if notes:
@@ -207,13 +281,18 @@ def paper_table(number: int, results: Sequence[RunResult]) -> str | None:
 
 
 def all_rows_table(results: Sequence[RunResult]) -> str:
-    """Every reported row on every dataset of one setting (top-1, %)."""
+    """Every reported row on every dataset of one model and prompts, a line per option set."""
     datasets = list(dict.fromkeys(r.dataset for r in results))
-    by_dataset = {r.dataset: r for r in results}
-    lines = ["| row | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+    grouped = _by_options(results)
+    lines = ["| row | options | " + " | ".join(datasets) + " |"]
+    lines.append("|---|---|" + "---|" * len(datasets))
     for row in _row_keys(results):
-        cells = [_pct(by_dataset[d].values(row).get(TOP1)) for d in datasets]
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        name = row
+        for options, by_dataset in grouped.items():
+            cells = [_pct(by_dataset[d].values(row).get(TOP1)) if d in by_dataset else "–"
+                     for d in datasets]  # fmt: skip
+            lines.append(f"| {name} | {options} | " + " | ".join(cells) + " |")
+            name = ""
     return "\n".join(lines)
 
 
@@ -221,39 +300,64 @@ def _name(value: Any) -> str:
     return Path(str(value)).name if "/" in str(value) else str(value)
 
 
-def _settings(results: Sequence[RunResult]) -> dict[tuple[str, str, str], list[RunResult]]:
-    groups: dict[tuple[str, str, str], list[RunResult]] = {}
-    for result in results:
-        groups.setdefault((result.model, result.prompts, result.options), []).append(result)
-    return groups
-
-
 def markdown_tables(results: Sequence[RunResult], title: str = "Frolic sweep") -> str:
-    """``tables.md``: per setting, the paper's Tables 1-4 that its datasets fill, then all rows."""
+    """``tables.md``: per model and prompts, the paper's Tables 1-4 that its datasets fill, the
+    option sets side by side, then all rows."""
     lines = [
         f"# {title}",
         "",
-        "Top-1 accuracy (%). *ours*: this sweep's runs (zero-shot `f_c` from the same runs); "
-        "*paper*: the published number (frolic_tta/data/paper_results.json), table cited; "
-        "Δ = ours − paper. Exact values: results.csv.",
+        "Top-1 accuracy (%) of this sweep's runs, one line per option set (zero-shot `f_c` from "
+        "the same runs); in parentheses the difference to the paper's published number, which "
+        "follows as *paper* (frolic_tta/data/paper_results.json, table cited). Exact values "
+        "and every other metric: results.csv.",
     ]
-    for (model, prompts, options), group in _settings(results).items():
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for result in results:
+        groups.setdefault((result.model, result.prompts), []).append(result)
+    for (model, prompts), group in groups.items():
         first = group[0]
-        option_text = json.dumps(first.details.get("options", {}))
+        option_sets = {r.options: json.dumps(r.details.get("options", {})) for r in group}
         lines += [
             "",
             f"## {model} ({first.metrics.get('model')}, {_name(first.metrics.get('pretrained'))}) "
-            f"· prompts: {prompts} · options: {options} {option_text}",
+            f"· prompts: {prompts}",
             "",
             f"Paper backbone: {first.backbone or 'none (no published numbers)'}; datasets: "
-            f"{', '.join(r.dataset for r in group)}.",
-        ]
+            f"{', '.join(dict.fromkeys(r.dataset for r in group))}; options: "
+            + "; ".join(f"{name} {text}" for name, text in option_sets.items()) + ".",
+        ]  # fmt: skip
         for number in (1, 2, 3, 4):
             table = paper_table(number, group)
             if table:
                 lines += ["", table]
-        lines += ["", "#### Every row, every dataset", "", all_rows_table(group)]
+        lines += ["", "### Every row, every dataset", "", all_rows_table(group)]
     return "\n".join(lines) + "\n"
+
+
+def collect_results(runs: Iterable[Any]) -> list[RunResult]:
+    """The finished runs' ``metrics.json`` (``runs``: :class:`frolic_tta.lightning.sweep.Run`),
+    in grid order."""
+    results = []
+    for run in runs:
+        if not run.done():
+            continue
+        saved = run.run_dir / "config.yaml"  # the run's full config, saved by the CLI
+        try:
+            config = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+        except (OSError, yaml.YAMLError):
+            config = None
+        config = config if isinstance(config, dict) else {}
+        prompts_file = (config.get("model") or run.details["model"]).get("prompts_file")
+        try:
+            column = canonical_dataset_name(run.dataset)
+        except ValueError:
+            column = run.dataset
+        results.append(
+            RunResult(run.model, run.backbone, column, run.prompts, run.options,
+                      prompts_file is not None, read_json(run.metrics_file),
+                      run.run_dir, run.details)
+        )  # fmt: skip
+    return results
 
 
 def write_results(output_dir: str | Path, results: Sequence[RunResult]) -> tuple[Path, Path]:

@@ -1,0 +1,82 @@
+"""``python train.py predict --help``: short, plain, with the data options inline."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from frolic_tta.lightning.cli import main
+from frolic_tta.lightning.cli_help import plain_text
+
+MAX_LINES = 200
+"""The help page at 100 columns (173 lines when written; Lightning's own was 573)."""
+
+TRAINING_ONLY = (
+    "max_epochs", "min_epochs", "max_steps", "max_time", "limit_train_batches",
+    "limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
+    "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+    "enable_checkpointing", "overfit_batches", "reload_dataloaders_every_n_epochs",
+    "sync_batchnorm", "detect_anomaly", "fast_dev_run", "log_every_n_steps", "model_registry",
+)  # fmt: skip
+
+SPHINX = re.compile(r":\w+:`|``|`_\b|^\s*\.\. \w+::|\\(tau|beta|hat|text|math)", re.M)
+
+
+def predict_help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as stop:
+        main(["predict", "--help"])
+    assert stop.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return captured.out
+
+
+def test_predict_help_is_short_plain_and_lists_the_data_options(capsys, monkeypatch):
+    text = predict_help(capsys, monkeypatch)
+    lines = text.splitlines()
+    assert len(lines) <= MAX_LINES, f"{len(lines)} lines"
+    assert lines[0].startswith("usage: python train.py predict")
+    # the data options inline: the default datamodule's and ImageFolderDataModule's own
+    for option in ("--data.dataset", "--data.root", "--data.split_file", "--data.batch_size",
+                   "--data.limit", "--data.class_names", "--data.labeled"):  # fmt: skip
+        assert re.search(rf"^  {re.escape(option)}\b", text, re.M), option
+    assert "Data: ImageFolderDataModule" in text
+    assert SPHINX.search(text) is None, SPHINX.search(text)
+    for name in TRAINING_ONLY:
+        assert f"--trainer.{name}" not in text, name
+    for option in ("--trainer.devices", "--trainer.strategy", "--trainer.precision",
+                   "--trainer.limit_predict_batches", "--model.model_name", "--output_dir",
+                   "--model.options.bias", "--report.plots", "--ckpt_path",
+                   "--model.options.prior_tol 1e-07"):  # fmt: skip
+        assert option in text, option
+    assert "known subclasses" not in text and "Linked arguments" not in text
+
+
+def test_hidden_options_are_still_accepted(tmp_path, capsys, monkeypatch):
+    """Hidden from the help, not from the parser: a saved config.yaml carries every Trainer key."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["predict", "--trainer.max_epochs", "3", "--trainer.gradient_clip_val", "1.0",
+              "--data.dataset", "eurosat", "--print_config"])  # fmt: skip
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "max_epochs: 3" in out and "gradient_clip_val: 1.0" in out
+
+
+@pytest.mark.parametrize(
+    ("markup", "plain"),
+    [
+        (":class:`~frolic_tta.options.FrolicOptions` fields", "FrolicOptions fields"),
+        ("see :mod:`frolic_tta.prior`", "see frolic_tta.prior"),
+        ("temperature :math:`\\tau_c`", "temperature τ_c"),
+        (":math:`1/\\exp(\\text{logit\\_scale})`", "1/exp(logit_scale)"),
+        (":math:`\\max_j\\hat\\beta_j \\ge 1`", "max_jβ̂_j ≥ 1"),
+        ('``"soft"`` (default)', '"soft" (default)'),
+        ("the `Notes <https://x.org/a>`_.", "the Notes (https://x.org/a)."),
+        ("a\n.. math::\nb", "a\n\nb"),
+    ],
+)
+def test_plain_text(markup, plain):
+    assert plain_text(markup) == plain
