@@ -2,8 +2,9 @@
 
 ``tests/data/unchanged.pt`` holds what the code gave at the commit before issue 18's
 restructuring (the module, its callbacks, the packed sums, the prompts): the module's logits,
-every Table 3/4 row's logits (40 samples) and metrics (all 600) on a 20-class long-tailed world, and the prototypes
-encoded with prompt batches that straddle classes. Regenerate only on purpose:
+every Table 3/4 row's logits (40 samples) and metrics (all 600) on a 20-class long-tailed
+world, and the prototypes encoded with prompt batches that straddle classes. Regenerate only
+on purpose:
 ``FROLIC_SAVE_UNCHANGED=1 python -m pytest tests/test_unchanged.py`` (then say why in the
 commit).
 """
