@@ -44,7 +44,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PredictOutcome:
-    """One predict run of a :class:`~frolic_tta.FrolicModule` (the module's ``outcome``).
+    r"""One predict run of a :class:`~frolic_tta.FrolicModule` (the module's ``outcome``).
 
     Attributes:
         head: the head that scored the run (fitted now, or stored).
@@ -55,7 +55,7 @@ class PredictOutcome:
         samples: counts over all ranks (``dataset_length``, ``used``, ``skipped``,
             ``labelled``, ``seen``); empty for a stored head.
         skipped: this rank's skipped samples (``index``, ``reason``).
-        metrics: with labels, every row's metrics (``acc/f_d``, ...), :math:`\\tau_g` and the
+        metrics: with labels, every row's metrics (``acc/f_d``, ...), :math:`\tau_g` and the
             test prior's diagnostics; else empty.
         class_accuracy: with labels, ``(K,)`` per-class accuracy per row.
         class_probability: ``(K,)`` mean predicted probability ``before`` and ``after``
