@@ -326,7 +326,8 @@ def main() -> None:
             )
     if args.only:
         info["rerun_only"] = args.only
-    payload = {"machine": common.finish_info(info), "cases": results}
+    # "public hooks": phases from fit_frolic's progress hook, passes = reduce_fn calls
+    payload = {"machine": common.finish_info(info), "cases": results, "probe": "public hooks"}
     from report import finalize_section
 
     print(finalize_section(payload))
