@@ -6,14 +6,16 @@ Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--dev
 
 Every case runs in a fresh subprocess so its peak memory is its own. A case does what
 ``FrolicModule`` does around the encoder: one ``FrolicMoments.update`` per batch of cached
-features (the encode phase's share), then finalize: ``fit_frolic`` (head solve, tau_g search,
-beta loop, logit buffers) and filling the per-batch outputs (softmax, prediction, confidence,
-per-class probability). Phases are timed exclusively by wrapping the core's functions;
-``LogitSource.chunks`` is wrapped to count rows streamed (passes = rows / N); a
-``TorchDispatchMode`` records the largest tensor any op creates and whether a (K, K) or a full
-(N, K) tensor appeared. "Extra memory" is the peak RSS during the phases minus the RSS before
-them (features, prototypes and output placeholders already allocated, as in the module; the
-module's ``torch.cat`` of its cached feature batches is inside).
+features (the encode phase's share), then finalize: ``fit_frolic`` (head solve and logit
+buffers, tau_g search, test prior, beta loop) and filling the per-batch outputs with the
+module's own :func:`frolic_tta.lightning.outcome.fill_outputs` (softmax, prediction, confidence,
+per-class probability). Phases are timed exclusively through ``fit_frolic``'s public
+``progress`` hook and passes counted through its ``reduce_fn`` (one call ends each pass over the
+N x K logits; :mod:`probe`); a ``TorchDispatchMode`` records the largest tensor any op creates
+and whether a (K, K) or a full (N, K) tensor appeared. "Extra memory" is the peak RSS during
+the phases minus the RSS before them (features, prototypes and output placeholders already
+allocated, as in the module; the module's ``torch.cat`` of its cached feature batches is
+inside).
 ``reference`` is a straightforward float64 implementation of the paper's algorithm (Eq. 7 with
 ``torch.linalg.inv``, full N x K logits, bisection for tau_g, Algorithm 2 with hard labels and
 power iteration on a K x K matrix S), timed in the same run.
@@ -28,7 +30,7 @@ from typing import Any
 
 import common
 import torch
-from probe import Probe, ShapeAudit, instrument
+from probe import Probe, ShapeAudit
 
 from frolic_tta.options import FrolicOptions, paper_options
 
@@ -86,8 +88,9 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
 
 def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Probe) -> Any:
     """What FrolicModule does around the encoder, from cached features."""
-    import frolic_tta.pipeline as core
+    from frolic_tta.lightning.outcome import fill_outputs
     from frolic_tta.metrics import FrolicMoments
+    from frolic_tta.pipeline import fit_frolic
 
     n, batch = x.shape[0], case["batch_size"]
     options = {
@@ -101,13 +104,12 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
         for start in range(0, n, batch):
             metric.update(x[start : start + batch])
         sums = metric.compute()
-        probe.rows["moments"] += n
+        probe.passes["moments"] += 1
         probe.pop()
-    else:
-        probe.rows["moments"] += n  # moment_sums on the whole shard, inside fit_frolic
-    probe.push("scoring")  # the module's feature cache is a list of batches: concatenated
-    x = torch.cat(list(x.split(batch)))  # then fit_frolic's own work: logit buffers, fusion
-    fit = core.fit_frolic(
+    # else moment_sums on the whole shard, inside fit_frolic: in "head solve"
+    probe.push("head solve")  # until fit_frolic reports its first phase (then progress hook)
+    x = torch.cat(list(x.split(batch)))  # the module's feature cache is a list of batches
+    fit = fit_frolic(
         x,
         z,
         options,
@@ -117,25 +119,10 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
         reduce_fn=probe.reduce,
         keep_logits=case["keep_logits"],
         chunk_size=case["chunk_size"],
+        progress=probe.progress,
     )
-    # FrolicModule.finalize: fill each batch's placeholders, per-class probability
-    offset = fit.head.log_offset().to(device=x.device, dtype=torch.float32)
-    probability = torch.zeros(2, z.shape[0], dtype=torch.float64)
-    outputs = case["outputs"]
-    for start in range(0, n, batch):
-        if fit.logits is not None:
-            logits = fit.logits[start : start + batch]
-        else:
-            logits = fit.head.score(x[start : start + batch])
-        confidence, prediction = torch.softmax(logits, 1).max(1)
-        if "logits" in outputs:
-            outputs["logits"][start : start + batch].copy_(logits.cpu())
-        outputs["prediction"][start : start + batch].copy_(prediction.cpu())
-        outputs["confidence"][start : start + batch].copy_(confidence.cpu())
-        probability[0] += torch.softmax(logits - offset, 1).sum(0, dtype=torch.float64).cpu()
-        probability[1] += torch.softmax(logits, 1).sum(0, dtype=torch.float64).cpu()
-    probe.rows["scoring"] += n
-    probe.reduce(probability)
+    probe.push("scoring")  # FrolicModule.finalize: fill each batch's placeholders
+    fill_outputs(case["outputs"], fit.logits, fit.head, x, probe.reduce, n)
     probe.pop()
     return fit
 
@@ -146,7 +133,7 @@ def run_reference(x: torch.Tensor, z: torch.Tensor, probe: Probe) -> dict[str, A
     x64, z64 = x.double(), z.double()
 
     def conf(logits: torch.Tensor) -> float:
-        probe.rows[probe.stack[-1][0]] += n
+        probe.passes[probe.stack[-1][0]] += 1
         return float(torch.softmax(logits, 1).max(1).values.mean())
 
     probe.push("head solve")  # Eq. 7 and Eq. 9 with an explicit inverse
@@ -156,7 +143,7 @@ def run_reference(x: torch.Tensor, z: torch.Tensor, probe: Probe) -> dict[str, A
     probe.pop()
     probe.push("scoring")
     zero_shot, gda = x64 @ z64.t(), torch.addmm(b, x64, w.t())
-    probe.rows["scoring"] += 2 * n
+    probe.passes["scoring"] += 2
     probe.pop()
     probe.push("tau search")  # bisection on ln tau until |conf - target| <= 1e-5
     target, lo, hi = conf(zero_shot / TAU_C), -30.0, 30.0
@@ -192,12 +179,12 @@ def run_reference(x: torch.Tensor, z: torch.Tensor, probe: Probe) -> dict[str, A
         beta = new
         if change < EPS:
             break
-    probe.rows["beta loop"] += n * (1 + probe.calls["beta_steps"])
+    probe.passes["beta loop"] += 1 + probe.calls["beta_steps"]
     probe.pop()
     probe.push("scoring")
     debiased = fused - torch.log(beta.clamp(min=1e-12))
     confidence, prediction = torch.softmax(debiased, 1).max(1)
-    probe.rows["scoring"] += n
+    probe.passes["scoring"] += 1
     probe.pop()
     return {"tau_g": tau_g, "beta": beta, "prediction": prediction}
 
@@ -208,16 +195,19 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     n, k, d = case["n_run"], case["k"], case["d"]
     x, z, labels = common.clip_like(n, k, d, case["geometry"])
     x, z = x.to(device), z.to(device)
-    outputs: dict[str, torch.Tensor] = {  # the module's placeholders, allocated while encoding
-        "prediction": torch.full((n,), -1, dtype=torch.long),
-        "confidence": torch.full((n,), float("nan")),
-    }
-    if case["keep_logits"] and case["mode"] != "reference":
-        outputs["logits"] = torch.full((n, k), float("nan"))
+    outputs = []  # the module's placeholders, one dict per batch, allocated while encoding
+    for start in range(0, n, case["batch_size"]):
+        rows = min(case["batch_size"], n - start)
+        output = {
+            "valid": torch.ones(rows, dtype=torch.bool),
+            "prediction": torch.full((rows,), -1, dtype=torch.long),
+            "confidence": torch.full((rows,), float("nan")),
+        }
+        if case["keep_logits"] and case["mode"] != "reference":
+            output["logits"] = torch.full((rows, k), float("nan"))
+        outputs.append(output)
     case = {**case, "outputs": outputs}
     probe = Probe(device)
-    if case["mode"] != "reference":
-        instrument(probe)
     audit = ShapeAudit(n, k)
     with ShapeAudit(1, 1):  # the first use of a dispatch mode costs about a second
         torch.ones(2, 2) @ torch.ones(2, 2)
@@ -237,7 +227,8 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     if isinstance(fit, dict):
         tau_g, beta, prediction = fit["tau_g"], fit["beta"], fit["prediction"].cpu()
     else:
-        tau_g, beta, prediction = fit.head.tau_g, fit.head.beta, outputs["prediction"]
+        tau_g, beta = fit.head.tau_g, fit.head.beta
+        prediction = torch.cat([o["prediction"] for o in outputs])
     zero_shot = torch.cat([(x[i : i + 8192] @ z.t()).argmax(1).cpu() for i in range(0, n, 8192)])
     seconds = {p: probe.seconds.get(p, 0.0) for p in PHASES}
     return {
@@ -245,11 +236,12 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         "finalize_s": wall - seconds["moments"],
         "seconds": seconds,
         "unattributed_s": wall - sum(seconds.values()),
-        "passes": {p: probe.rows.get(p, 0) / n for p in PHASES},
-        "passes_total": sum(probe.rows.values()) / n,
-        "tau_steps": probe.calls["tau_steps"],
-        "beta_steps": probe.calls["beta_steps"],
-        "em_passes": probe.calls["em_passes"],
+        "passes": {p: probe.passes.get(p, 0) for p in PHASES},
+        "passes_total": sum(probe.passes.values()),
+        # ours: reduce_fn calls (passes) of the phase; the reference counts its own steps
+        "tau_steps": probe.calls["tau_steps"] or probe.passes["tau search"],
+        "beta_steps": probe.calls["beta_steps"] or probe.passes["beta loop"],
+        "em_passes": probe.passes["test prior"],
         "power_iterations": probe.calls["power_iterations"],
         "reduce_calls": probe.calls["reduce_fn"],
         "extra_mib": extra,
@@ -334,7 +326,8 @@ def main() -> None:
             )
     if args.only:
         info["rerun_only"] = args.only
-    payload = {"machine": common.finish_info(info), "cases": results}
+    # "public hooks": phases from fit_frolic's progress hook, passes = reduce_fn calls
+    payload = {"machine": common.finish_info(info), "cases": results, "probe": "public hooks"}
     from report import finalize_section
 
     print(finalize_section(payload))

@@ -1,17 +1,16 @@
-"""Instrumentation of the core for ``benchmarks/finalize.py`` (not a benchmark; nothing to run).
+"""Measuring ``fit_frolic`` from outside for ``benchmarks/finalize.py`` (nothing to run).
 
-:class:`Probe` times phases exclusively, counts rows streamed through ``LogitSource.chunks``
-(passes = rows / N), step calls and ``reduce_fn`` calls; :func:`instrument` patches the core's
-functions in the calling (worker) process only; :class:`ShapeAudit` records the largest tensor
-any torch op returns and whether a (K, K) or a full (N, K) tensor appeared.
+:class:`Probe` uses only the core's public hooks: it is ``fit_frolic``'s ``progress`` callback
+(each phase's wall time, exclusively) and its ``reduce_fn`` (each call ends one pass over the
+N x K logits: the passes of each phase); no function of the core is replaced.
+:class:`ShapeAudit` records the largest tensor any torch op returns and whether a (K, K) or a
+full (N, K) tensor appeared.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import common
@@ -40,14 +39,24 @@ class ShapeAudit(TorchDispatchMode):
         return out
 
 
+PHASE_OF = {
+    "temperature": "tau search",
+    "test prior": "test prior",
+    "label bias": "beta loop",
+    "zero-shot prior": "beta loop",
+}
+"""``fit_frolic``'s progress phases -> the benchmark's; before ``"temperature"``: the head
+solve and the logit buffers (``"head solve"``)."""
+
+
 class Probe:
-    """Exclusive phase timers, rows streamed per phase, call counts and reduce_fn calls."""
+    """Exclusive phase timers, passes per phase (``reduce_fn`` calls) and peak memory."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stack: list[list[Any]] = []
         self.seconds: Counter[str] = Counter()
-        self.rows: Counter[str] = Counter()
+        self.passes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self.peaks: Counter[str] = Counter()  # MiB above ``base`` at the peak of each phase
         self.base = 0.0
@@ -89,59 +98,14 @@ class Probe:
         if self.stack:
             self.stack[-1][1] = t
 
-    def phase(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self.push(name)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.pop()
-
-        return wrapped
-
-    def counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    def streamed(self, fn: Callable[..., Iterator[tuple[int, torch.Tensor]]]) -> Callable[..., Any]:
-        probe = self
-
-        @functools.wraps(fn)
-        def chunks(source: Any) -> Iterator[tuple[int, torch.Tensor]]:
-            for start, block in fn(source):
-                probe.rows[probe.stack[-1][0] if probe.stack else "other"] += block.shape[0]
-                yield start, block
-
-        return chunks
+    def progress(self, phase: str) -> None:
+        """``fit_frolic``'s ``progress`` hook: close the running phase, open the next."""
+        self.pop()
+        if phase != "done":
+            self.push(PHASE_OF.get(phase, phase))
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``fit_frolic``'s ``reduce_fn`` (one process): counts one pass of the running phase."""
         self.calls["reduce_fn"] += 1
+        self.passes[self.stack[-1][0] if self.stack else "other"] += 1
         return tensor
-
-
-def instrument(probe: Probe) -> None:
-    """Patch the core (this worker process only) to time phases and count passes."""
-    import frolic_tta.calibration as calibration
-    import frolic_tta.debias as debias
-    import frolic_tta.logits as streams
-    import frolic_tta.matching as matching
-    import frolic_tta.pipeline as core
-    import frolic_tta.prior as prior
-
-    core.moment_sums = probe.phase("moments", core.moment_sums)
-    core.estimate_test_prior = probe.phase("test prior", core.estimate_test_prior)
-    core.fit_gaussian_head = probe.phase("head solve", core.fit_gaussian_head)
-    core.match_temperature = probe.phase("tau search", core.match_temperature)
-    core.fit_label_bias = probe.phase("beta loop", core.fit_label_bias)
-    calibration._confidence_sums = probe.counted("tau_steps", calibration._confidence_sums)
-    prior._posterior_sums = probe.counted("em_passes", prior._posterior_sums)  # mixture refits
-    matching._sums = probe.counted("beta_steps", matching._sums)
-    debias._hard_class_matrix = probe.counted("beta_steps", debias._hard_class_matrix)
-    debias.power_iteration = probe.counted("power_iterations", debias.power_iteration)
-    for cls in (streams.TensorLogits, streams.LinearLogits):
-        cls.chunks = probe.streamed(cls.chunks)  # type: ignore[method-assign]

@@ -156,26 +156,34 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
         )
     if gpu_row:
         rows.append(["GPU, ImageNet sizes", "", "not measured", *[""] * 12])
+    hooks = p.get("probe") == "public hooks"  # benchmarks/probe.py since issue 18
     headers = [
         "case", "N × K × d", "moments s", "test prior s", "head solve s", "τ search s",
-        "β loop s", "scoring s",
-        "finalize s", "passes over N×K", "τ / β steps / mixture refits", "extra MiB",
+        "β loop s", "scoring s", "finalize s", "passes over N×K",
+        "τ / β / test prior passes" if hooks else "τ / β steps / mixture refits", "extra MiB",
         "K×K / full N×K",
         "acc f_c → f_d", "× faster than reference", "cores used",
     ]  # fmt: skip
     lines = [markdown_table(headers, rows), ""]
+    phases = (
+        "head solve: with the logit buffers; τ search; β loop: the fused and the zero-shot "
+        "label biases; scoring = filling the outputs; phases timed through `fit_frolic`'s "
+        "`progress` hook); moments are accumulated per batch during encoding and listed "
+        "separately. Passes count `reduce_fn` calls (each ends one pass over the N×K logits; "
+        "the reference counts its own)"
+        if hooks
+        else "head solve, τ search, β loop: the fused and the zero-shot label biases, "
+        "scoring = logit buffers + filling the outputs); moments are accumulated per batch "
+        "during encoding and listed separately. Passes count rows streamed through the logits "
+        "(N per pass)"
+    )
     lines.append(
         "finalize = everything after the last encoder batch (test prior: the balanced "
         "matching, the mixture refitted under it and its weights, and the refits where the test "
-        "set is imbalanced; "
-        "head solve, τ search, β loop: the fused and the zero-shot "
-        "label biases, "
-        "scoring = logit buffers + filling the outputs); moments are accumulated per batch "
-        "during encoding and listed separately. Passes count rows streamed through the logits "
-        "(N per pass); extra MiB is the peak RSS above the features, prototypes and output "
-        "placeholders; K×K / full N×K: whether any torch op created such a tensor "
-        "(`TorchDispatchMode` audit). * N-linear phases scaled from the run's N, same "
-        "iteration counts assumed. cores used = CPU time / wall time of the case (2 = both "
+        f"set is imbalanced; {phases}; extra MiB is the peak RSS above the features, "
+        "prototypes and output placeholders; K×K / full N×K: whether any torch op created "
+        "such a tensor (`TorchDispatchMode` audit). * N-linear phases scaled from the run's "
+        "N, same iteration counts assumed. cores used = CPU time / wall time of the case (2 = both "
         "cores were ours)."
     )
     capped = [e["case"]["label"] for e in p["cases"] if e["result"]["beta_steps"] >= 100]

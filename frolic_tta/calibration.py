@@ -26,6 +26,7 @@ reduced values, so every shard stops at the same step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -36,9 +37,43 @@ from frolic_tta.options import check_positive
 from frolic_tta.validation import check_shards_together
 
 
-def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
-    r"""``[N, sum_i (1 - pmax_i), sum_i d(1 - pmax_i)/d ln tau, sum_i margin_i]`` of the local
-    shard, float64.
+@dataclass(frozen=True)
+class _ConfidenceSums:
+    """Named sums of one pass over the logits of a shard (float64), packed for one reduction."""
+
+    count: Tensor  # () N
+    deficit: Tensor  # () sum_i (1 - pmax_i)
+    growth: Tensor  # () sum_i d(1 - pmax_i)/d ln tau
+    margin: Tensor  # () sum_i (max_j f_ij - mean_j f_ij)
+
+    def pack(self) -> Tensor:
+        return torch.stack([self.count, self.deficit, self.growth, self.margin])
+
+    @classmethod
+    def unpack(cls, packed: Tensor) -> _ConfidenceSums:
+        return cls(*packed.unbind())
+
+    def reduce(self, reduce_fn: ReduceFn) -> _ConfidenceSums:
+        """The sums over all shards: one ``reduce_fn`` call."""
+        return _ConfidenceSums.unpack(reduce_fn(self.pack()))
+
+
+@dataclass(frozen=True)
+class _StartSums:
+    """What the search starts from, reduced together: the zero-shot sums and the margin sum
+    of :math:`f_g` (its spread relative to :math:`f_c` gives the first guess)."""
+
+    zero_shot: _ConfidenceSums
+    gda_margin: Tensor  # () sum_i (max_j g_ij - mean_j g_ij)
+
+    def reduce(self, reduce_fn: ReduceFn) -> _StartSums:
+        """The sums over all shards: one ``reduce_fn`` call."""
+        packed = reduce_fn(torch.cat([self.zero_shot.pack(), self.gda_margin.reshape(1)]))
+        return _StartSums(_ConfidenceSums.unpack(packed[:4]), packed[4])
+
+
+def _confidence_sums(source: LogitSource, temperature: float) -> _ConfidenceSums:
+    r"""The :class:`_ConfidenceSums` of the local shard at ``temperature``.
 
     The confidence *deficit* :math:`1 - p_{\max}` is summed instead of :math:`p_{\max}`, and
     computed without cancellation: with :math:`e_j = \exp((f_j - f_a)/\tau)` for the top class
@@ -67,12 +102,13 @@ def _confidence_sums(source: LogitSource, temperature: float) -> Tensor:
                 margin.sum(dtype=torch.float64).cpu(),
             ]
         )
-    return total
+    return _ConfidenceSums.unpack(total)
 
 
 def _margin_sum(source: LogitSource) -> Tensor:
-    """``[sum_i (max_j f_ij - mean_j f_ij)]`` of the local shard, float64."""
-    total = torch.zeros(1, dtype=torch.float64)
+    r"""``()`` :math:`\sum_i (\max_j f_{ij} - \operatorname{mean}_j f_{ij})` of the local shard,
+    float64."""
+    total = torch.zeros((), dtype=torch.float64)
     for _, logits in source.chunks():
         total += float((logits.max(1).values - logits.mean(1)).sum(dtype=torch.float64))
     return total
@@ -92,8 +128,8 @@ def confidence(
         check_shards_together(reduce_fn, [("logits", logits)])
     reduce_fn = reduce_fn or identity_reduce
     temperature = check_positive("temperature", temperature)
-    sums = reduce_fn(_confidence_sums(as_source(logits), temperature))
-    return 1.0 - float(sums[1] / sums[0])
+    sums = _confidence_sums(as_source(logits), temperature).reduce(reduce_fn)
+    return 1.0 - float(sums.deficit / sums.count)
 
 
 def match_temperature(
@@ -148,16 +184,16 @@ def match_temperature(
         )
     # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c);
     # each source is streamed once.
-    first = reduce_fn(torch.cat([_confidence_sums(zero_shot, tau_c), _margin_sum(gda)]))
-    target = float(first[1] / first[0])  # the zero-shot deficit 1 - conf(f_c, tau_c)
-    margin_c, margin_g = float(first[3]), float(first[4])
+    first = _StartSums(_confidence_sums(zero_shot, tau_c), _margin_sum(gda)).reduce(reduce_fn)
+    target = float(first.zero_shot.deficit / first.zero_shot.count)  # 1 - conf(f_c, tau_c)
+    margin_c, margin_g = float(first.zero_shot.margin), float(first.gda_margin)
     u = math.log(tau_c * margin_g / margin_c) if margin_g > 0 and margin_c > 0 else math.log(tau_c)
     lo, hi = -math.inf, math.inf  # bracket on u: deficit(lo) <= target <= deficit(hi)
     best_u, best_err = u, math.inf
     before_polish: tuple[float, float] | None = None  # (u, |gap|) where the polish started
     for _ in range(max_iter):
-        sums = reduce_fn(_confidence_sums(gda, math.exp(u)))
-        deficit, growth = float(sums[1] / sums[0]), float(sums[2] / sums[0])
+        sums = _confidence_sums(gda, math.exp(u)).reduce(reduce_fn)
+        deficit, growth = float(sums.deficit / sums.count), float(sums.growth / sums.count)
         err = deficit - target  # conf(f_c) - conf(f_g): > 0 means f_g is not confident enough
         if abs(err) < best_err:
             best_u, best_err = u, abs(err)

@@ -32,8 +32,8 @@ Methods (``method=``):
 With ``labels`` (the paper's *Oracle*) the class masses are matched to the true label
 frequencies: the cross-entropy-optimal prior of the debiased logits (GLA's supervised
 estimate), consistent under Proposition 2 like :math:`\beta = S\beta` with :math:`S` from
-labels, but well posed when :math:`S \approx I` (confident posteriors), where the exact solve
-:func:`solve_stationary` is ill-conditioned.
+labels, but well posed when :math:`S \approx I` (confident posteriors), where solving
+:math:`\beta = S\beta` exactly is ill-conditioned.
 Every returned :math:`\beta` is floored at ``prior_floor / K`` and renormalised, so
 :math:`-\ln\beta` is finite and a class with no posterior mass anywhere cannot
 become an absorbing state.
@@ -67,19 +67,14 @@ def _implicit(source: LogitSource, reduce_fn: ReduceFn) -> Tensor:
     return total[1:] / total[0]
 
 
-def _hard_class_matrix(
-    source: LogitSource, log_beta: Tensor | None, labels: Tensor | None, reduce_fn: ReduceFn
-) -> Tensor:
-    """``S`` (K, K): column j = mean of s(x) over the samples assigned (or labelled) j."""
+def _hard_class_matrix(source: LogitSource, log_beta: Tensor, reduce_fn: ReduceFn) -> Tensor:
+    """``S`` (K, K): column j = mean of s(x) over the samples assigned j by
+    ``argmax(f - log_beta)`` (Algorithm 2's hard pseudo-labels)."""
     k = source.num_classes
     sums = torch.zeros(k + 1, k, dtype=torch.float64)  # last row: counts
-    for start, logits in source.chunks():
+    for _, logits in source.chunks():
         probs = torch.softmax(logits, dim=1).to(torch.float64).cpu()
-        if labels is not None:
-            assigned = labels[start : start + logits.shape[0]].cpu()
-        else:
-            shifted = logits if log_beta is None else logits - log_beta.to(logits)
-            assigned = shifted.argmax(1).cpu()
+        assigned = (logits - log_beta.to(logits)).argmax(1).cpu()
         sums[:k].index_add_(1, assigned, probs.t())
         sums[k].index_add_(0, assigned, torch.ones_like(assigned, dtype=torch.float64))
     sums = reduce_fn(sums)
@@ -106,22 +101,6 @@ def power_iteration(matrix: Tensor, eps: float, max_iter: int = 10_000) -> Tenso
         if done:
             break
     return beta
-
-
-def solve_stationary(matrix: Tensor) -> Tensor:
-    r"""Exact solution of :math:`\beta = S\beta,\ \mathbf 1^\top\beta = 1` for a
-    column-stochastic ``(K, K)`` ``S``: :math:`(S - I + \mathbf 1\mathbf 1^\top)\beta =
-    \mathbf 1` (LU). Used for the Oracle, where power iteration from uniform stops early
-    when :math:`S \approx I`."""
-    k = matrix.shape[0]
-    system = matrix - torch.eye(k, dtype=matrix.dtype) + 1.0
-    beta, info = torch.linalg.solve_ex(system, torch.ones(k, dtype=matrix.dtype))
-    beta = beta.clamp(min=0.0)
-    if int(info) != 0 or not bool(torch.isfinite(beta).all()) or float(beta.sum()) <= 0:
-        # eigenvalue 1 is not simple (e.g. S = I for hard posteriors): beta = S beta has many
-        # solutions; power iteration picks the one reached from uniform
-        return power_iteration(matrix, 1e-12)
-    return beta / beta.sum()
 
 
 def check_labels(labels: Tensor, num_samples: int, num_classes: int) -> Tensor:
@@ -233,7 +212,7 @@ def fit_label_bias(
         return result
     beta = uniform
     for passes in range(1, max_iter + 1):
-        matrix = _hard_class_matrix(source, torch.log(beta), None, reduce_fn)
+        matrix = _hard_class_matrix(source, torch.log(beta), reduce_fn)
         new = _floor(power_iteration(matrix, eps), prior_floor)
         change = float((new - beta).abs().sum())
         beta = new

@@ -67,25 +67,50 @@ class MassMatch:
     evaluations: int
 
 
-def _sums(source: LogitSource, shift: Tensor) -> Tensor:
-    """``[N, sum_i lse(f_i + shift), m_1..m_K, h_1..h_K]`` of the local shard (float64).
+@dataclass(frozen=True)
+class _MassSums:
+    """Named sums of one pass over the logits of a shard (float64), packed for one reduction."""
+
+    count: Tensor  # () N
+    log_partition: Tensor  # () sum_i lse(f_i + shift)
+    mass: Tensor  # (K,) sum_i q_i, the class masses
+    curvature: Tensor  # (K,) sum_i q_i (1 - q_i)
+
+    def pack(self) -> Tensor:
+        return torch.cat([torch.stack([self.count, self.log_partition]), self.mass, self.curvature])
+
+    @classmethod
+    def unpack(cls, packed: Tensor) -> _MassSums:
+        k = (packed.shape[0] - 2) // 2
+        return cls(packed[0], packed[1], packed[2 : k + 2], packed[k + 2 :])
+
+    def reduce(self, reduce_fn: ReduceFn) -> _MassSums:
+        """The sums over all shards: one ``reduce_fn`` call."""
+        return _MassSums.unpack(reduce_fn(self.pack()))
+
+
+def _sums(source: LogitSource, shift: Tensor) -> _MassSums:
+    """The :class:`_MassSums` of the local shard at ``shift`` (K,).
 
     One exponential per entry; column sums in the logits' dtype, accumulated in float64.
     """
     k = shift.shape[0]
-    total = torch.zeros(2 * k + 2, dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    log_partition = torch.zeros((), dtype=torch.float64)
+    mass = torch.zeros(k, dtype=torch.float64)
+    curvature = torch.zeros(k, dtype=torch.float64)
     for _, logits in source.chunks():
         shifted = logits + shift.to(logits)
         top = shifted.max(dim=1, keepdim=True).values
         posterior = torch.exp_(shifted - top)
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
-        total[0] += logits.shape[0]
-        total[1] += float((top + norm.log()).sum(dtype=torch.float64))
-        mass = posterior.sum(0)
-        total[2 : k + 2] += mass.double().cpu()
-        total[k + 2 :] += (mass - posterior.square_().sum(0)).double().cpu()
-    return total
+        count += logits.shape[0]
+        log_partition += float((top + norm.log()).sum(dtype=torch.float64))
+        column = posterior.sum(0)
+        mass += column.double().cpu()
+        curvature += (column - posterior.square_().sum(0)).double().cpu()
+    return _MassSums(count, log_partition, mass, curvature)
 
 
 def match_class_masses(
@@ -124,10 +149,10 @@ def match_class_masses(
     box = math.log(k / prior_floor) / 2 if bound is None else float(bound)
 
     def evaluate(b: Tensor) -> tuple[float, Tensor, Tensor, float]:
-        sums = reduce_fn(_sums(source, log_target - b))
-        n = float(sums[0])
-        objective = float(sums[1]) / n + float(target @ b)
-        return objective, target - sums[2 : k + 2] / n, sums[k + 2 :] / n, n
+        sums = _sums(source, log_target - b).reduce(reduce_fn)
+        n = float(sums.count)
+        objective = float(sums.log_partition) / n + float(target @ b)
+        return objective, target - sums.mass / n, sums.curvature / n, n
 
     def projected(b: Tensor, gradient: Tensor) -> Tensor:
         # J is invariant to adding a constant to b, so the box [-bound, bound] fixes the gauge

@@ -242,8 +242,6 @@ def update_row_metrics(
                     metric.update(logits, target)
 
 
-update_row_accuracies = update_row_metrics
-
 
 def exact_ratio(value: float, count: int) -> float:
     """A float32 ratio ``correct / count`` as the exact float64 ratio (``count < 2**23``)."""

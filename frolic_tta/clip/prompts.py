@@ -240,7 +240,10 @@ def encode_prototypes(
     """Encode class prompts into CLIP text prototypes (CLIP's prompt ensembling).
 
     Each prompt embedding is L2-normalised, the embeddings of a class are averaged, and the mean
-    is L2-normalised again.
+    is L2-normalised again (open_clip's ``build_zero_shot_classifier``). Prompts go through the
+    text encoder ``batch_size`` at a time whatever class they belong to (classes may have
+    different numbers of prompts, e.g. with descriptions); each batch is added to its classes'
+    sums, so memory stays ``(K, d)``.
 
     Args:
         model: An open_clip model (anything with ``encode_text(tokens)``).
@@ -270,32 +273,27 @@ def encode_prototypes(
         device = param.device if param is not None else torch.device("cpu")
     device = torch.device(device)
     flat = [str(p) for prompts in class_prompts for p in prompts]
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    # (K, d) per class, the sum of its unit prompt embeddings, on the CPU: index_add_ adds the
+    # rows in order there (CUDA's adds atomically), so every rank of a DDP run gets the same bits
+    sums: torch.Tensor | None = None
 
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     bar = progress_bar(len(flat), "Encoding prompts", "prompt", enabled=progress)
     try:
-        pending: list[torch.Tensor] = []
-        available = 0
-        prototypes: list[torch.Tensor] = []
-        next_class = 0
         for start in range(0, len(flat), batch_size):
             tokens = tokenizer(flat[start : start + batch_size]).to(device)
             embeddings = F.normalize(model.encode_text(tokens).float(), dim=-1)
-            pending.append(embeddings)
-            available += embeddings.shape[0]
+            if sums is None:
+                sums = torch.zeros(len(counts), embeddings.shape[1], dtype=torch.float32)
+            rows = owner[start : start + embeddings.shape[0]]
+            sums.index_add_(0, rows, embeddings.cpu())
             bar.update(embeddings.shape[0])
-            if next_class < len(counts) and counts[next_class] <= available:
-                buffer = torch.cat(pending)
-                offset = 0
-                while next_class < len(counts) and offset + counts[next_class] <= available:
-                    end = offset + counts[next_class]
-                    prototypes.append(buffer[offset:end].mean(dim=0))
-                    offset, next_class = end, next_class + 1
-                pending, available = [buffer[offset:]], available - offset
     finally:
         bar.close()
         if was_training and hasattr(model, "train"):
             model.train()
-    return F.normalize(torch.stack(prototypes), dim=-1).to(device=device, dtype=torch.float32)
+    means = sums / torch.tensor(counts, dtype=torch.float32)[:, None]
+    return F.normalize(means, dim=-1).to(device=device, dtype=torch.float32)

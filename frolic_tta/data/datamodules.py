@@ -9,15 +9,17 @@ transform on ``FrolicModule``).
 the key of the features this run would encode (the module's model and weights, the transform,
 the dataset, split, ``limit`` and file list). If ``DIR`` holds a store with that key, batches
 are ``{"features", "index"[, "label"]}`` read from it (no image is decoded, the encoder does not
-run); if it holds none, the images are encoded as usual and a
-:class:`~frolic_tta.lightning.store.FeatureStoreWriter`, registered with the Trainer here,
-writes the store. A store with another key, or a broken one, raises
+run); if it holds none, the images are encoded as usual and :attr:`store_request` says which
+store to write: ``FrolicModule.configure_callbacks`` registers a
+:class:`~frolic_tta.lightning.store.FeatureStoreWriter` that writes it (data does not know the
+model's callbacks). A store with another key, or a broken one, raises
 :class:`~frolic_tta.data.store.FeatureStoreError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +41,13 @@ from frolic_tta.data.splits import load_dataset
 from frolic_tta.data.store import DTYPES, FeatureDataset, feature_key, has_manifest, load_store
 from frolic_tta.errors import FrolicInputError
 
-__all__ = ["STORE_MODES", "FrolicDataModule", "ImageFolderDataModule", "default_num_workers"]
+__all__ = [
+    "STORE_MODES",
+    "FrolicDataModule",
+    "ImageFolderDataModule",
+    "StoreRequest",
+    "default_num_workers",
+]
 
 STORE_MODES = ("auto", "read", "write")
 """``auto``: read the store if there is one, else encode and write it; ``read``: the store must
@@ -48,6 +56,15 @@ StoreDtype = Literal["float32", "float16"]
 StoreMode = Literal["auto", "read", "write"]
 
 MAX_DEFAULT_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """The feature store a datamodule asks to be written from this run's encoded features."""
+
+    directory: Path
+    key: dict[str, Any]  # :func:`~frolic_tta.data.store.feature_key`
+    dtype: str  # "float32" or "float16"
 
 
 def default_num_workers(devices_per_node: int = 1) -> int:
@@ -94,7 +111,8 @@ class _IndexedDataModule(L.LightningDataModule):
         #: Where the features come from, in words (``metrics.json``'s ``"features"``).
         self.feature_source = "encoded"
         self._limit = limit
-        self._store_writer: L.Callback | None = None
+        #: Set by :meth:`setup`: the store to write from this run (``None``: none, or read).
+        self.store_request: StoreRequest | None = None
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
         if num_workers is not None and num_workers < 0:
@@ -152,13 +170,12 @@ class _IndexedDataModule(L.LightningDataModule):
         """
         transform = self._resolve_transform()
         self.dataset = IndexedDataset(self.source, transform)
+        self.store_request = None
         if self.feature_store is not None:
             self._setup_store(transform)
 
     def _setup_store(self, transform: Callable[[Any], Any]) -> None:
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and self._store_writer in trainer.callbacks:
-            trainer.callbacks.remove(self._store_writer)  # a writer of an earlier setup
         module = getattr(trainer, "lightning_module", None)
         hparams = getattr(module, "hparams", {})
         if "model_name" not in hparams:
@@ -184,10 +201,7 @@ class _IndexedDataModule(L.LightningDataModule):
             self.dataset = FeatureDataset(stored.features, stored.labels, stored.errors)  # type: ignore[assignment]
             self.feature_source = stored.describe(folder)
             return
-        from frolic_tta.lightning.store import FeatureStoreWriter  # lightning/ imports data/
-
-        self._store_writer = FeatureStoreWriter(str(folder), key, self.feature_store_dtype)
-        trainer.callbacks.append(self._store_writer)  # type: ignore[union-attr]
+        self.store_request = StoreRequest(folder, key, self.feature_store_dtype)
         self.feature_source = f"encoded, stored in {folder} ({self.feature_store_dtype})"
 
     def predict_dataloader(self) -> DataLoader:

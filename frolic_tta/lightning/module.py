@@ -33,10 +33,12 @@ samples seen and warns.
 precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is created after the
 precision plugin has converted the module, and finalize runs with autocast disabled.
 
-**Attributes after predict** (reset when the next predict starts): ``head``, ``priors_``
-(:class:`~frolic_tta.prior.Priors`), ``metrics_`` (with labels), ``class_accuracy_``,
-``class_probability_`` (Fig. 1c/d), ``samples_``, ``skipped_``, ``finalize_`` (seconds and
-passes per phase, :mod:`.progress`), ``adapted_``.
+**After predict**: ``head`` and ``outcome``, one frozen :class:`~.outcome.PredictOutcome` set
+once at the end of finalize (a stored head: after the last batch), the contract the callbacks
+read (:mod:`.outcome`). ``priors_`` (:class:`~frolic_tta.prior.Priors`), ``metrics_`` (with
+labels), ``class_accuracy_``, ``class_probability_`` (Fig. 1c/d), ``samples_``, ``skipped_``,
+``finalize_`` (seconds and passes per phase, :mod:`.progress`), ``adapted_`` and ``partial_``
+read its fields (empty until predict ends; reset when the next predict starts).
 
 **Re-use.** ``module(images)`` gives :math:`f_d`; with ``head_file`` or ``reuse_head=True``,
 ``predict`` scores with the stored head (no re-adaptation). Checkpoints: :mod:`.checkpoint`.
@@ -45,7 +47,7 @@ passes per phase, :mod:`.progress`), ``adapted_``.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -65,13 +67,21 @@ from frolic_tta.errors import FrolicInputError
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.lightning import checkpoint as ckpt
 from frolic_tta.lightning import online, samples
+from frolic_tta.lightning.outcome import (
+    PredictOutcome,
+    RunCounts,
+    evaluate_fit,
+    fill_output,
+    fill_outputs,
+    outcome_field,
+    predict_loader,
+)
 from frolic_tta.lightning.progress import FinalizeProgress
 from frolic_tta.lightning.provenance import check_provenance
-from frolic_tta.metrics import FrolicMoments, evaluate_rows
+from frolic_tta.lightning.store import FeatureStoreWriter, writes_store
+from frolic_tta.metrics import FrolicMoments
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
-from frolic_tta.prior import Priors
-from frolic_tta.rows import RowContext, build_rows
 
 
 class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
@@ -162,26 +172,34 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             mismatch = allow_head_mismatch
             check_provenance(stored.provenance, self.provenance(), source, allow_mismatch=mismatch)
         self.images_encoded = 0
-        self._reset_run()
-        self._reset_epoch()
+        self._reset()
 
-    def _reset_run(self) -> None:
-        self.priors_: Priors | None = None
-        self.metrics_: dict[str, float] = {}
-        self.class_accuracy_: dict[str, Tensor] = {}
-        self.class_probability_: dict[str, Tensor] = {}
-        self.samples_: dict[str, Any] = {}
-        self.skipped_: list[dict[str, Any]] = []
-        self.adapted_ = False
-        self.partial_ = False
-        self.finalize_: dict[str, dict[str, Any]] = {}
+    priors_ = outcome_field("priors")
+    metrics_ = outcome_field("metrics")
+    class_accuracy_ = outcome_field("class_accuracy")
+    class_probability_ = outcome_field("class_probability")
+    samples_ = outcome_field("samples")
+    skipped_ = outcome_field("skipped")
+    adapted_ = outcome_field("adapted")
+    partial_ = outcome_field("partial")
+    finalize_ = outcome_field("finalize")
 
-    def _reset_epoch(self) -> None:
+    @property
+    def outcome(self) -> PredictOutcome:
+        """The last predict's :class:`~.outcome.PredictOutcome` (what callbacks read)."""
+        if self._outcome is None:
+            raise RuntimeError("FrolicModule has no predict outcome yet: run trainer.predict")
+        return self._outcome
+
+    def _reset(self) -> None:
+        self._outcome: PredictOutcome | None = None
         self._features: list[Tensor] = []
         self._labels: list[Tensor] = []
         self._outputs: list[dict[str, Tensor]] = []
         self._prototypes: Tensor | None = None
         self._last_batch = -1
+        #: The latest batch's features ``(n, d)`` (what :class:`FeatureStoreWriter` saves).
+        self.batch_features: Tensor | None = None
 
     # ------------------------------------------------------------------ prototypes / features
     def build_prototypes(self) -> Tensor:
@@ -224,30 +242,34 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        """``OnlineAnswers`` if ``online``; a ``FeatureStoreWriter`` for a datamodule's store."""
+        callbacks = list(super().configure_callbacks())
+        if self._trainer is not None and writes_store(self._trainer.datamodule):
+            callbacks.append(FeatureStoreWriter())
+        return callbacks
+
+    @override
     def on_predict_start(self) -> None:
-        self._reset_epoch()
-        self._reset_run()
+        self._reset()
         if self.reuse_head and self.head is None:
             raise FrolicInputError(
                 "Expected a stored head with `reuse_head`=True, but this module has none (a "
                 "fresh process re-adapts otherwise): pass --model.head_file outputs/<run>/head.pt"
                 ", or set --model.reuse_head false to adapt"
             )
-        loaders = self.trainer.predict_dataloaders
-        loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
-        if len(loaders) != 1:
-            raise ValueError(f"Expected exactly one predict dataloader, but got {len(loaders)}")
+        loader = predict_loader(self.trainer)
         num_batches = self.trainer.num_predict_batches[0]
         if num_batches == float("inf"):
             raise ValueError("Expected a predict dataloader with a length (map-style dataset)")
-        self._dataset_length = len(loaders[0].dataset)
-        self.partial_ = int(num_batches) < len(loaders[0])  # limit_predict_batches, fast_dev_run
+        self._dataset_length = len(loader.dataset)
+        self._partial = int(num_batches) < len(loader)  # limit_predict_batches, fast_dev_run
         world = self.trainer.world_size
         expected = samples.expected_local_samples(
-            self._dataset_length, world, int(num_batches), loaders[0].batch_size
+            self._dataset_length, world, int(num_batches), loader.batch_size
         )
         self._skipped = samples.SkippedSamples(self.hparams.max_skipped_fraction, expected)
-        self.skipped_ = self._skipped.records
+        self._last_batch = int(num_batches) - 1
         if self.reuse_head:
             return
         if self._dataset_length < world:
@@ -255,7 +277,6 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                 f"Expected at least one sample per rank (N >= world size {world}), but the "
                 f"dataset has N={self._dataset_length}"
             )
-        self._last_batch = int(num_batches) - 1
         self._prototypes = self.build_prototypes()
         self.moments = FrolicMoments(self._prototypes, self.tau_c).to(self.device)
 
@@ -278,7 +299,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         output["prediction"] = torch.full((n,), -1, dtype=torch.long)
         output["confidence"] = torch.full((n,), float("nan"), dtype=torch.float32)
         if self.reuse_head:
-            return self._fill(output, self.head.score(features[mask]))
+            return fill_output(output, self.head.score(features[mask]))
         with torch.autocast(self.device.type, enabled=False):
             self.moments.update(features[mask])
         self._features.append(features[mask])
@@ -292,7 +313,12 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
     def on_predict_batch_end(
         self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if batch_idx == self._last_batch and self._outputs:
+        if batch_idx != self._last_batch:
+            return
+        if self.reuse_head:  # a stored head scored every batch: nothing to fit
+            head = cast(FrolicHead, self.head)
+            self._outcome = PredictOutcome.stored(head, self._partial, self._skipped.records)
+        elif self._outputs:
             with torch.autocast(self.device.type, enabled=False):
                 self.finalize()
 
@@ -301,31 +327,20 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         reduced = self.trainer.strategy.reduce(tensor.to(self.device).clone(), reduce_op="sum")
         return reduced.to(tensor.device)
 
-    def _fill(self, output: dict[str, Tensor], logits: Tensor) -> dict[str, Tensor]:
-        """Write ``logits`` of the valid rows (and their prediction, confidence) in place."""
-        valid = output["valid"]
-        confidence, prediction = torch.softmax(logits.float(), dim=1).max(1)
-        output["prediction"][valid] = prediction.detach().cpu()
-        output["confidence"][valid] = confidence.detach().cpu().float()
-        if "logits" in output:
-            output["logits"][valid] = logits.detach().cpu().to(torch.float32)
-        return output
-
     def _count(self, used: Tensor) -> dict[str, int]:
         """Counts over all ranks (one all-reduce; every rank gets the same numbers)."""
-        labels = torch.cat(self._labels) if self._labels else torch.zeros(0)
-        local = [len(self._skipped.records), int((labels >= 0).sum()), int(self.partial_)]
-        local.append(sum(o["index"].numel() for o in self._outputs))
-        reduced = self._reduce(torch.tensor(local, dtype=torch.float64)).round().long().tolist()
-        counts = dict(zip(("skipped", "labelled", "partial", "seen"), reduced, strict=True))
-        return {**counts, "used": int(round(float(used)))}
+        labelled = sum(int((labels >= 0).sum()) for labels in self._labels)
+        seen = sum(o["index"].numel() for o in self._outputs)
+        local = RunCounts(len(self._skipped.records), labelled, self._partial, seen)
+        counts = asdict(local.reduce(self._reduce))
+        return {**counts, "partial": int(counts["partial"]), "used": int(round(float(used)))}
 
     def finalize(self) -> None:
         r"""All-reduce, fit the head, :math:`\tau_g`, :math:`\beta`, and fill the outputs."""
         sums = self.moments.compute()  # synced over the process group
         counts = self._count(sums.count)
         samples.check_counts(counts, self._dataset_length, self._skipped)
-        self.partial_, used = bool(counts["partial"]), counts["used"]
+        used = counts["used"]
         features = torch.cat(self._features)
         hp = self.hparams
         progress = FinalizeProgress(self.trainer, self._reduce, used, self._prototypes.shape[0])
@@ -340,52 +355,37 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             chunk_size=hp.chunk_size,
             progress=progress,
         )
-        self.head, self.priors_ = fit.head, fit.priors
-        self.finalize_ = progress.finish(fit.head.tau_g, fit.priors)
-        offset = self.head.log_offset().to(device=features.device, dtype=torch.float32)
-        probability = torch.zeros(2, offset.shape[0], dtype=torch.float64)
-        start = 0
-        for output in self._outputs:
-            n = int(output["valid"].sum())
-            if fit.logits is not None:
-                logits = fit.logits[start : start + n]
-            else:
-                logits = self.head.score(features[start : start + n])
-            self._fill(output, logits)
-            probability[0] += torch.softmax(logits - offset, 1).sum(0).double().cpu()
-            probability[1] += torch.softmax(logits, 1).sum(0).double().cpu()
-            start += n
-        probability = self._reduce(probability) / sums.count.cpu()
-        self.class_probability_ = {"before": probability[0], "after": probability[1]}
-        self.samples_ = {"dataset_length": self._dataset_length, "used": used, **counts}
+        self.head = fit.head
+        finalize = progress.finish(fit.head.tau_g, fit.priors)
+        probability = fill_outputs(
+            self._outputs, fit.logits, fit.head, features, self._reduce, sums.count.cpu()
+        )
+        metrics: dict[str, float] = {}
+        class_accuracy: dict[str, Tensor] = {}
         if counts["labelled"]:
             if counts["labelled"] < used:
                 rank_zero_warn(
                     f"{used - counts['labelled']} of the {used} usable samples carry no label: "
                     f"accuracy is computed on the {counts['labelled']} that do"
                 )
-            self._evaluate(features, torch.cat(self._labels), fit.sums, counts["labelled"])
+            labels, rows = torch.cat(self._labels), None if hp.ablations else ["f_d"]
+            args = (self.options, self._reduce, hp.chunk_size, rows)
+            metrics, class_accuracy = evaluate_fit(fit, features, labels, counts["labelled"], *args)
+            if self.trainer.logger is not None:
+                self.trainer.logger.log_metrics(metrics, step=0)
         self._features, self._labels = [], []
-        self.adapted_ = True
-
-    def _evaluate(self, features: Tensor, labels: Tensor, sums: Any, total: int) -> None:
-        hp = self.hparams
-        keep = labels >= 0
-        if not bool(keep.all()):
-            features, labels = features[keep], labels[keep]
-        ctx = RowContext(
-            self.head, sums, features, self.options, labels, self._reduce, hp.chunk_size
+        self._outcome = PredictOutcome(
+            head=fit.head,
+            priors=fit.priors,
+            adapted=True,
+            partial=bool(counts["partial"]),
+            samples={"dataset_length": self._dataset_length, "used": used, **counts},
+            skipped=self._skipped.records,
+            metrics=metrics,
+            class_accuracy=class_accuracy,
+            class_probability=probability,
+            finalize=finalize,
         )
-        rows = build_rows(ctx, None if hp.ablations else ["f_d"])
-        self.metrics_, self.class_accuracy_ = evaluate_rows(  # synced over the process group
-            rows, self.head, features, labels, num_labelled=total, chunk_size=hp.chunk_size
-        )
-        prior, tau_g = self.priors_, self.head.tau_g
-        self.metrics_.update({"tau_g": tau_g, "test_prior/shift_weight": prior.shift_weight})
-        self.metrics_.update({"test_prior/passes": prior.passes,
-                              "test_prior/converged": prior.converged})  # fmt: skip
-        if self.trainer.logger is not None:
-            self.trainer.logger.log_metrics(self.metrics_, step=0)
 
     # ------------------------------------------------------------------ re-use
     def adapted_classifier(self) -> FrolicClassifier:

@@ -24,7 +24,9 @@ After the predict epoch, rank 0 joins the per-rank prediction files (written by 
   ``online_accuracy.png`` (:mod:`frolic_tta.lightning.online`).
 
 The terminal table is printed when the predict stage has ended (``teardown``), below the closed
-progress bar, not into it.
+progress bar, not into it. What the run produced is read from the module's
+:class:`~frolic_tta.lightning.outcome.PredictOutcome` (``module.outcome``) and its public
+attributes (``class_names``, ``hparams``, ``options``, ``images_encoded``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +44,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.data.indexed import dataset_paths
-from frolic_tta.head import FrolicHead
+from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.online import online_summary, plot_online, write_online_csv
+from frolic_tta.lightning.outcome import predict_loader
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.summary_table import format_table, short_name
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
 from frolic_tta.metrics import ROW_METRICS, metric_key
-from frolic_tta.prior import Priors
 from frolic_tta.rows import ROWS
 
 
@@ -69,10 +71,10 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def _loader_dataset(trainer: L.Trainer) -> Any:
-    loaders = trainer.predict_dataloaders
-    loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
-    return getattr(loader, "dataset", None)
+def _frolic(module: L.LightningModule) -> FrolicModule:
+    if not isinstance(module, FrolicModule):
+        raise ValueError(f"Expected a FrolicModule, but got {type(module).__name__}")
+    return module
 
 
 class FrolicReport(FrolicPredictionWriter):
@@ -118,14 +120,13 @@ class FrolicReport(FrolicPredictionWriter):
 
     @override
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        encoded = torch.tensor(int(getattr(pl_module, "images_encoded", 0)))
+        encoded = torch.tensor(_frolic(pl_module).images_encoded)
         encoded = trainer.strategy.reduce(encoded.to(pl_module.device), reduce_op="sum")
         self.images_encoded = int(encoded.item())  # over all ranks (0: a feature store's)
         trainer.strategy.barrier()  # every rank's file is written
         if not trainer.is_global_zero:
             return
-        dataset = _loader_dataset(trainer)
-        length = len(dataset) if dataset is not None else None
+        length = len(predict_loader(trainer).dataset)
         joined = join_predictions(self.output_dir, dataset_length=length)
         self.write(trainer, pl_module, joined)
         if not self.keep_shards:
@@ -139,48 +140,42 @@ class FrolicReport(FrolicPredictionWriter):
 
     # ------------------------------------------------------------------ writing
     def write(self, trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Any]) -> None:
-        """Write every report file from the joined predictions and the adapted module."""
-        head = getattr(module, "head", None)
-        if head is None:
-            raise ValueError(
-                f"Expected a module adapted by predict (with a `.head`), but got "
-                f"{type(module).__name__} without one"
-            )
+        """Write every report file from the joined predictions and the module's outcome."""
+        module = _frolic(module)
+        outcome = module.outcome
         out = self.report_dir
         out.mkdir(parents=True, exist_ok=True)
         names = list(module.class_names)
         datamodule = getattr(trainer, "datamodule", None)
-        paths = getattr(datamodule, "paths", None) or dataset_paths(_loader_dataset(trainer))
+        paths = getattr(datamodule, "paths", None) or dataset_paths(predict_loader(trainer).dataset)
         self._write_csv(out / "predictions.csv", joined, names, paths)
         save_file({**joined, "class_names": names}, out / "logits.pt")
         save_file(
             {
-                "frolic_head": _cpu(head.state_dict()),
-                "classifier": _cpu(module.adapted_classifier().state_dict()),
+                "frolic_head": _cpu(outcome.head.state_dict()),
+                "classifier": _cpu(outcome.head.to_module().state_dict()),
                 "class_names": names,
-                PROVENANCE: getattr(module, "provenance", lambda: None)(),
+                PROVENANCE: module.provenance(),
             },
             out / "head.pt",
         )
         self.summary = self._summary(trainer, module, joined, names, paths)
         encoded = self.images_encoded
         self.summary["features"] = getattr(datamodule, "feature_source", "encoded")
-        self.summary["images_encoded"] = (
-            getattr(module, "images_encoded", None) if encoded is None else encoded
-        )
+        self.summary["images_encoded"] = module.images_encoded if encoded is None else encoded
         online = "online_step" in joined  # FrolicModule(online=True)
         if online:
             self.summary["online"] = online_summary(joined, module)
             write_online_csv(out / "online.csv", joined, names)
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
-        probability = getattr(module, "class_probability_", {})
+        probability = outcome.class_probability
         if self.plots:
             title = f"{self.summary['dataset']}, {self.summary['model']}"
             if probability:
                 plot_class_probability(
                     probability["before"], probability["after"], names, out, title
                 )
-            plot_priors(getattr(module, "priors_", None) or stored_priors(head), names, out, title)
+            plot_priors(outcome.priors, names, out, title)
             if online:
                 plot_online(joined, out, title)
         self._table_due = self.print_table
@@ -217,22 +212,22 @@ class FrolicReport(FrolicPredictionWriter):
     @staticmethod
     def _summary(
         trainer: L.Trainer,
-        module: L.LightningModule,
+        module: FrolicModule,
         joined: dict[str, Any],
         names: list[str],
         paths: list[str] | None,
     ) -> dict[str, Any]:
-        head = module.head
-        priors = getattr(module, "priors_", None) or stored_priors(head)
-        summary = priors.summary()
-        hparams = getattr(module, "hparams", {})
+        outcome = module.outcome
+        head = outcome.head
+        summary = outcome.priors.summary()
+        hparams = module.hparams
         datamodule = getattr(trainer, "datamodule", None)
         n = int(joined["index"].numel())
         valid = joined.get("valid", torch.ones(n, dtype=torch.bool))
         target = joined.get("target", torch.full((n,), -1))
         evaluated = valid & (target >= 0)
         num_evaluated = int(evaluated.sum())
-        metrics = dict(getattr(module, "metrics_", {}))
+        metrics = outcome.metrics
         scores = {
             kind: {
                 row: _float32(metrics[metric_key(row, kind)])
@@ -248,16 +243,14 @@ class FrolicReport(FrolicPredictionWriter):
         support = torch.bincount(target[evaluated].long(), minlength=len(names)).tolist()
         per_class_accuracy = {
             row: [_round(v) if n else None for v, n in zip(values.tolist(), support, strict=True)]
-            for row, values in getattr(module, "class_accuracy_", {}).items()
+            for row, values in outcome.class_accuracy.items()
         }
-        options = getattr(module, "options", None)
         skipped = [
             {"index": s["index"], "path": paths[s["index"]] if paths else None} | s
             for s in joined.get("skipped", [])
         ]
-        dataset = _loader_dataset(trainer)
-        length = len(dataset) if dataset is not None else n
-        probability = getattr(module, "class_probability_", {})
+        length = len(predict_loader(trainer).dataset)
+        probability = outcome.class_probability
         brings_weights = str(hparams.get("model_name")).startswith(("hf-hub:", "local-dir:"))
         return {
             "dataset": getattr(datamodule, "dataset_name", None) or "custom",
@@ -273,8 +266,8 @@ class FrolicReport(FrolicPredictionWriter):
             "num_evaluated": num_evaluated,
             "accuracy": accuracy,
             **scores,
-            "options": asdict(options) if is_dataclass(options) else None,
-            "adapted": bool(getattr(module, "adapted_", True)),
+            "options": asdict(module.options),
+            "adapted": outcome.adapted,
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
             **{key: value for key, value in summary.items() if key != "per_class"},
@@ -293,25 +286,6 @@ class FrolicReport(FrolicPredictionWriter):
         }
 
 
-def stored_priors(head: FrolicHead) -> Priors:
-    """The priors a stored head carries (no diagnostics: nothing was estimated in this run)."""
-    k = head.beta.shape[0]
-    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    unknown = torch.zeros(k, dtype=torch.bool)
-    zero_shot = head.zero_shot_beta if head.zero_shot_beta is not None else uniform
-    test = head.test_prior if head.test_prior is not None else uniform
-    return Priors(
-        test_prior=test,
-        raw_test_prior=None,
-        shift_weight=0.0,
-        likelihood_ratio=None,
-        beta=head.beta,
-        beta_undetermined=unknown,
-        zero_shot_beta=zero_shot,
-        zero_shot_beta_undetermined=unknown,
-    )
-
-
 def _round(value: float) -> float:
     """Six significant digits: a mean of float32 probabilities carries no more."""
     return float(f"{value:.6g}")
@@ -323,7 +297,7 @@ def _notes(
     length: int,
     skipped: int,
     evaluated: int,
-    module: L.LightningModule,
+    module: FrolicModule,
 ) -> list[str]:
     """What a reader of the numbers must know: partial run, stored head, skipped samples."""
     notes = []
@@ -332,7 +306,7 @@ def _notes(
             f"partial run: the Trainer stopped after some batches (limit_predict_batches / "
             f"fast_dev_run); adapted on and predicted {n} of {length} samples"
         )
-    zero_shot = getattr(getattr(module, "options", None), "zero_shot", "text")
+    zero_shot = module.options.zero_shot
     if zero_shot == "inmap":
         notes.append("zero-shot classifier: InMaP's proxies (f_c is InMaP, f_d InMaP + Frolic)")
     if zero_shot == "inmap_both":
@@ -340,7 +314,7 @@ def _notes(
             "the released script: f_c and f_g are InMaP proxies supervised by the text and by "
             "the Gaussian head"
         )
-    if not getattr(module, "adapted_", True):
+    if not module.outcome.adapted:
         notes.append("scored with a stored head (head_file / reuse_head): no adaptation")
     if skipped:
         notes.append(

@@ -1,20 +1,23 @@
 """FeatureStoreWriter: save the image features of a predict run as a feature store.
 
-Every rank keeps the features ``FrolicModule.predict_step`` encodes (``batch_features``), with
-the batch's global ``index`` and ``label``; after the epoch each rank writes its shard into this
+Every rank keeps the features ``FrolicModule.predict_step`` encodes (its public
+``batch_features``; any LightningModule that sets it, :class:`FeatureSource`), with the batch's
+global ``index`` and ``label``; after the epoch each rank writes its shard into this
 run's private folder (:func:`~frolic_tta.data.store.staging_dir`, named by rank 0 and
 broadcast), all ranks meet at a barrier, and rank 0 checks the shards, writes the manifest and
 publishes the folder as the store by renaming it (an interrupted run leaves no store that could
 be read, and two runs writing one store never mix). The layout and the key are
-:mod:`frolic_tta.data.store`'s. ``FrolicDataModule(feature_store=...)`` registers this callback
-itself when it encodes; add it by hand for a DataLoader of your own.
+:mod:`frolic_tta.data.store`'s. ``FrolicModule.configure_callbacks`` registers a writer without
+a directory when its datamodule has a ``feature_store``: it writes the store the datamodule's
+``setup`` requests (:class:`~frolic_tta.data.datamodules.StoreRequest`), and nothing when that
+reads a store instead. For a DataLoader of your own, add ``FeatureStoreWriter(dir, key)``.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import open_clip
@@ -24,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from frolic_tta.data.datamodules import FrolicDataModule, ImageFolderDataModule, StoreRequest
 from frolic_tta.data.store import (
     DTYPES,
     FeatureStoreError,
@@ -34,27 +38,58 @@ from frolic_tta.data.store import (
 )
 
 
+@runtime_checkable
+class FeatureSource(Protocol):
+    """A LightningModule whose ``predict_step`` sets ``batch_features`` ``(n, d)``."""
+
+    batch_features: Tensor | None
+
+
+def writes_store(datamodule: Any) -> bool:
+    """Whether ``datamodule`` is a Frolic datamodule with a ``feature_store`` (its ``setup``
+    then reads the store or requests one)."""
+    datamodules = (FrolicDataModule, ImageFolderDataModule)
+    return isinstance(datamodule, datamodules) and datamodule.feature_store is not None
+
+
 class FeatureStoreWriter(Callback):
     """Write ``features_rank{r}.pt`` per rank and ``manifest.json`` after a predict epoch.
 
     Args:
-        directory: The store's folder (created; an earlier store there is replaced).
-        key: The :func:`~frolic_tta.data.store.feature_key` of the run.
+        directory: The store's folder (created; an earlier store there is replaced); ``None``:
+            the store the Trainer's datamodule requests (``store_request``), if any.
+        key: The :func:`~frolic_tta.data.store.feature_key` of the run (with ``directory``).
         dtype: ``"float32"`` or ``"float16"`` (half the size; read back as float32).
     """
 
-    def __init__(self, directory: str, key: dict[str, Any], dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        directory: str | None = None,
+        key: dict[str, Any] | None = None,
+        dtype: str = "float32",
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"Expected `dtype` to be one of {list(DTYPES)}, but got {dtype!r}")
-        self.directory = Path(directory)
-        self.key = key
-        self.dtype = dtype
+        if (directory is None) != (key is None):
+            raise ValueError("Expected `directory` and `key` together, or neither of them")
+        self.request = None if directory is None else StoreRequest(Path(directory), key, dtype)
         self._parts: list[tuple[Tensor, Tensor, Tensor | None, list[str]]] = []
         self._staging: Path | None = None
+        self._dim = 0
+
+    def _active(self, trainer: L.Trainer) -> StoreRequest | None:
+        if self.request is not None:
+            return self.request
+        datamodule = trainer.datamodule
+        return datamodule.store_request if writes_store(datamodule) else None
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._parts = []
+        self._parts, self._staging = [], None
+        request = self._active(trainer)
+        if request is None:  # the datamodule reads its store: nothing to write
+            return
+        self.directory, self.key, self.dtype = request.directory, request.key, request.dtype
         staging = str(staging_dir(self.directory)) if trainer.is_global_zero else None
         self._staging = Path(trainer.strategy.broadcast(staging, src=0))
         if trainer.is_global_zero:
@@ -78,12 +113,15 @@ class FeatureStoreWriter(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        features = getattr(pl_module, "batch_features", None)
+        if self._staging is None:
+            return
+        features = pl_module.batch_features if isinstance(pl_module, FeatureSource) else None
         if features is None:
             raise ValueError(
                 "Expected the LightningModule to set `batch_features` in predict_step (as "
                 f"FrolicModule does), but {type(pl_module).__name__} has none"
             )
+        self._dim = features.shape[-1]
         index, labels = torch.as_tensor(batch["index"]).cpu(), batch.get("label")
         errors = batch.get("error")  # why an image could not be read ("": it was)
         self._parts.append(
@@ -97,8 +135,9 @@ class FeatureStoreWriter(Callback):
 
     @override
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        parts, self._parts = self._parts, []
-        dim = int(getattr(pl_module, "batch_features", torch.zeros(0, 0)).shape[-1])
+        if self._staging is None:
+            return
+        parts, self._parts, dim = self._parts, [], self._dim
         index = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
         features = (
             torch.cat([p[1] for p in parts])
@@ -111,8 +150,6 @@ class FeatureStoreWriter(Callback):
                 [p[2] if p[2] is not None else torch.full_like(p[0], -1) for p in parts]
             )
         errors = [reason for p in parts for reason in p[3]]
-        if self._staging is None:
-            raise RuntimeError("FeatureStoreWriter: on_predict_start did not run")
         staging = self._staging
         write_shard(staging, trainer.global_rank, index, features, labels, errors)
         trainer.strategy.barrier()  # every shard is on disk

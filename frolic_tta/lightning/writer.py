@@ -13,6 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.errors import FrolicInputError, write_error
+from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.online import ONLINE_KEYS
 
 
@@ -53,24 +54,14 @@ def concat_outputs(outputs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return _concat(list(outputs)) if outputs else {}
 
 
-def predict_is_partial(trainer: L.Trainer) -> bool:
-    """Whether the Trainer stops this rank's predict loop early (``limit_predict_batches``,
-    ``fast_dev_run``)."""
-    loaders = trainer.predict_dataloaders
-    loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
-    try:
-        return int(trainer.num_predict_batches[0]) < len(loader)
-    except (TypeError, IndexError, OverflowError):  # no length: nothing to compare with
-        return False
-
-
 class FrolicPredictionWriter(BasePredictionWriter):
     """Writes ``predictions_rank{r}.pt`` per rank at the end of the predict epoch.
 
     Each file holds the concatenated ``index`` (global dataset index), ``valid`` (False for a
     skipped sample), ``prediction``, ``confidence``, ``logits`` (if returned) and ``target`` (if
-    labelled; -1 for a sample without label), plus ``skipped`` (the module's ``skipped_``:
-    index and reason) and ``partial`` (the Trainer limited the batches).
+    labelled; -1 for a sample without label), plus ``skipped`` (index and reason) and
+    ``partial`` (the Trainer limited the batches), both from the module's
+    :class:`~frolic_tta.lightning.outcome.PredictOutcome`.
     :func:`join_predictions` merges the files of a (multi-node) job and checks that every index
     appears exactly once.
 
@@ -103,8 +94,10 @@ class FrolicPredictionWriter(BasePredictionWriter):
         )
         merged: dict[str, Any] = concat_outputs(list(outputs))
         merged["world_size"] = torch.tensor(trainer.world_size)
-        merged["skipped"] = list(getattr(pl_module, "skipped_", []))
-        merged["partial"] = predict_is_partial(trainer)
+        if not isinstance(pl_module, FrolicModule):
+            raise ValueError(f"Expected a FrolicModule, but got {type(pl_module).__name__}")
+        outcome = pl_module.outcome
+        merged["skipped"], merged["partial"] = list(outcome.skipped), outcome.partial
         save_file(merged, self.output_dir / f"predictions_rank{trainer.global_rank}.pt")
 
 

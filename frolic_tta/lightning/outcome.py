@@ -1,0 +1,235 @@
+r"""What a :class:`~frolic_tta.FrolicModule` predict leaves for its callbacks, and how it fills
+its outputs.
+
+The contract between the module and the callbacks that read it (:class:`FrolicReport`, the
+prediction writer): the module sets one frozen :class:`PredictOutcome` once per predict, at the
+end of finalize (a stored head: after its last batch), before any ``on_predict_epoch_end``; the
+callbacks read ``module.outcome`` and nothing else of the run. Per batch, a callback gets what it
+needs through its hook's arguments (``outputs``) or the module's public ``batch_features``.
+
+Also here, so that the module and the benchmarks share them: :func:`predict_loader` (the one
+predict DataLoader), :class:`RunCounts` (the counts all-reduced in one call) and
+:func:`fill_outputs` (the placeholders filled in place from the fitted logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from frolic_tta.head import FrolicHead
+from frolic_tta.logits import ReduceFn
+from frolic_tta.metrics import evaluate_rows
+from frolic_tta.options import FrolicOptions
+from frolic_tta.pipeline import FrolicFit
+from frolic_tta.prior import Priors
+from frolic_tta.rows import RowContext, build_rows
+
+__all__ = [
+    "PredictOutcome",
+    "RunCounts",
+    "evaluate_fit",
+    "fill_output",
+    "fill_outputs",
+    "predict_loader",
+    "stored_priors",
+]
+
+
+@dataclass(frozen=True)
+class PredictOutcome:
+    r"""One predict run of a :class:`~frolic_tta.FrolicModule` (the module's ``outcome``).
+
+    Attributes:
+        head: the head that scored the run (fitted now, or stored).
+        priors: the estimated priors, or a stored head's (:func:`stored_priors`).
+        adapted: the head was fitted in this run (``False``: a stored head scored it).
+        partial: the Trainer limited the batches on some rank (``limit_predict_batches``,
+            ``fast_dev_run``); decided over all ranks when adapting.
+        samples: counts over all ranks (``dataset_length``, ``used``, ``skipped``,
+            ``labelled``, ``seen``); empty for a stored head.
+        skipped: this rank's skipped samples (``index``, ``reason``).
+        metrics: with labels, every row's metrics (``acc/f_d``, ...), :math:`\tau_g` and the
+            test prior's diagnostics; else empty.
+        class_accuracy: with labels, ``(K,)`` per-class accuracy per row.
+        class_probability: ``(K,)`` mean predicted probability ``before`` and ``after``
+            debiasing (Fig. 1c/d); empty for a stored head.
+        finalize: seconds and ``reduce_fn`` passes per finalize phase.
+    """
+
+    head: FrolicHead
+    priors: Priors
+    adapted: bool
+    partial: bool
+    samples: dict[str, int] = field(default_factory=dict)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    class_accuracy: dict[str, Tensor] = field(default_factory=dict)
+    class_probability: dict[str, Tensor] = field(default_factory=dict)
+    finalize: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def stored(cls, head: FrolicHead, partial: bool, skipped: list[dict[str, Any]]) -> Any:
+        """The outcome of a run scored with a stored ``head`` (no adaptation, no metrics)."""
+        return cls(head, stored_priors(head), False, partial, skipped=skipped)
+
+
+_EMPTY: dict[str, Any] = {"priors": None, "adapted": False, "partial": False, "skipped": []}
+
+
+def outcome_field(name: str) -> Any:
+    """A read-only attribute of the module: ``outcome.<name>``, empty until predict ends."""
+
+    def read(module: Any) -> Any:
+        if module._outcome is None:
+            empty = _EMPTY.get(name, {})
+            return type(empty)(empty) if isinstance(empty, list | dict) else empty
+        return getattr(module._outcome, name)
+
+    return property(read, doc=f"``outcome.{name}`` (:class:`PredictOutcome`).")
+
+
+def stored_priors(head: FrolicHead) -> Priors:
+    """The priors a stored head carries (no diagnostics: nothing was estimated in this run)."""
+    k = head.beta.shape[0]
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    unknown = torch.zeros(k, dtype=torch.bool)
+    zero_shot = head.zero_shot_beta if head.zero_shot_beta is not None else uniform
+    test = head.test_prior if head.test_prior is not None else uniform
+    return Priors(
+        test_prior=test,
+        raw_test_prior=None,
+        shift_weight=0.0,
+        likelihood_ratio=None,
+        beta=head.beta,
+        beta_undetermined=unknown,
+        zero_shot_beta=zero_shot,
+        zero_shot_beta_undetermined=unknown,
+    )
+
+
+def predict_loader(trainer: L.Trainer) -> DataLoader:
+    """The one predict DataLoader of ``trainer`` (Lightning holds a loader or a list of them).
+
+    Raises:
+        ValueError: more than one predict DataLoader.
+    """
+    loaders = trainer.predict_dataloaders
+    loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
+    if len(loaders) != 1:
+        raise ValueError(f"Expected exactly one predict dataloader, but got {len(loaders)}")
+    return loaders[0]
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    """Sample counts of a rank (or, reduced, of all ranks), packed for one all-reduce."""
+
+    skipped: int
+    labelled: int
+    partial: bool  # reduced: on some rank
+    seen: int
+
+    def pack(self) -> Tensor:
+        values = [self.skipped, self.labelled, int(self.partial), self.seen]
+        return torch.tensor(values, dtype=torch.float64)
+
+    @classmethod
+    def unpack(cls, packed: Tensor) -> RunCounts:
+        skipped, labelled, partial, seen = packed.round().long().tolist()
+        return cls(skipped, labelled, bool(partial), seen)
+
+    def reduce(self, reduce_fn: ReduceFn) -> RunCounts:
+        """The counts over all ranks: one ``reduce_fn`` call."""
+        return RunCounts.unpack(reduce_fn(self.pack()))
+
+
+def fill_output(output: dict[str, Tensor], logits: Tensor) -> dict[str, Tensor]:
+    """Write ``logits`` ``(n_valid, K)`` of the valid rows of one batch's ``output`` (and their
+    prediction, confidence) in place; returns ``output``."""
+    valid = output["valid"]
+    confidence, prediction = torch.softmax(logits.float(), dim=1).max(1)
+    output["prediction"][valid] = prediction.detach().cpu()
+    output["confidence"][valid] = confidence.detach().cpu().float()
+    if "logits" in output:
+        output["logits"][valid] = logits.detach().cpu().to(torch.float32)
+    return output
+
+
+def fill_outputs(
+    outputs: Sequence[dict[str, Tensor]],
+    logits: Tensor | None,
+    head: FrolicHead,
+    features: Tensor,
+    reduce_fn: ReduceFn,
+    num_samples: float,
+) -> dict[str, Tensor]:
+    r"""Fill every batch's placeholders in place with :math:`f_d`, batch by batch.
+
+    Args:
+        outputs: the batches' output dicts, in the order their valid rows are in ``features``.
+        logits: ``(N_valid, K)`` :math:`f_d` of the valid rows, or ``None``: scored from
+            ``features`` one batch at a time (no ``(N, K)`` tensor).
+        head: the fitted head.
+        features: ``(N_valid, d)`` the cached features of the valid rows.
+        reduce_fn: sums a tensor over ranks (called once).
+        num_samples: valid rows over all ranks.
+
+    Returns:
+        ``{"before", "after"}``: ``(K,)`` float64 mean predicted probability over all ranks
+        before (:math:`f_d` without :meth:`~frolic_tta.FrolicHead.log_offset`) and after
+        debiasing (the paper's Fig. 1c/d).
+    """
+    offset = head.log_offset().to(device=features.device, dtype=torch.float32)
+    probability = torch.zeros(2, offset.shape[0], dtype=torch.float64)  # before, after
+    start = 0
+    for output in outputs:
+        n = int(output["valid"].sum())
+        if logits is not None:
+            batch = logits[start : start + n]
+        else:
+            batch = head.score(features[start : start + n])
+        fill_output(output, batch)
+        probability[0] += torch.softmax(batch - offset, 1).sum(0).double().cpu()
+        probability[1] += torch.softmax(batch, 1).sum(0).double().cpu()
+        start += n
+    before, after = (reduce_fn(probability) / num_samples).unbind()
+    return {"before": before, "after": after}
+
+
+def evaluate_fit(
+    fit: FrolicFit,
+    features: Tensor,
+    labels: Tensor,
+    num_labelled: int,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    rows: list[str] | None = None,
+) -> tuple[dict[str, float], dict[str, Tensor]]:
+    r"""Every row's (``rows``, default all) metrics over all ranks on the labelled samples
+    (``labels`` ``>= 0``; ``num_labelled`` of them over all ranks), with :math:`\tau_g` and the
+    test prior's diagnostics, and the per-class accuracy ``(K,)`` of each row
+    (:func:`frolic_tta.metrics.evaluate_rows`)."""
+    keep = labels >= 0
+    if not bool(keep.all()):
+        features, labels = features[keep], labels[keep]
+    ctx = RowContext(fit.head, fit.sums, features, options, labels, reduce_fn, chunk_size)
+    metrics, class_accuracy = evaluate_rows(  # synced over the process group
+        build_rows(ctx, rows),
+        fit.head,
+        features,
+        labels,
+        num_labelled=num_labelled,
+        chunk_size=chunk_size,
+    )
+    prior = fit.priors
+    metrics.update({"tau_g": fit.head.tau_g, "test_prior/shift_weight": prior.shift_weight})
+    metrics.update({"test_prior/passes": prior.passes, "test_prior/converged": prior.converged})
+    return metrics, class_accuracy
