@@ -47,6 +47,7 @@ from frolic_tta.synthetic import (
 
 CANDIDATES: dict[str, FrolicOptions] = {
     "default": FrolicOptions(),
+    "debiased head labels (opt in)": FrolicOptions(head_labels="debiased"),
     "balanced (previous default)": FrolicOptions(test_prior="uniform"),
     "no shrinkage (evidence 0)": FrolicOptions(shift_evidence=0.0),
     "evidence 2": FrolicOptions(shift_evidence=2.0),

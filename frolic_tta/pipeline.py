@@ -27,12 +27,13 @@ from torch import Tensor
 
 from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
-from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums
+from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
+    LogitSource,
     ReduceFn,
     TensorLogits,
     chunk_rows,
@@ -43,14 +44,13 @@ from frolic_tta.logits import (
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
+    TestPrior,
     estimate_test_prior,
+    posterior_sums,
+    refitted_sums,
 )
 from frolic_tta.released import released_proxies
-from frolic_tta.validation import (
-    check_matrix,
-    check_prototypes,
-    check_sums_shapes,
-)
+from frolic_tta.validation import check_matrix, check_prototypes, check_samples_everywhere
 
 
 def l2_normalize(tensor: Tensor) -> Tensor:
@@ -118,8 +118,9 @@ def fit_frolic(
         keep_logits: hold one ``(N_local, K)`` buffer (fast; it becomes ``FrolicFit.logits`` =
             :math:`f_d`) or recompute logits chunk by chunk (no N x K tensor at all).
         chunk_size: rows per chunk (``None``: about 2M logits per chunk).
-        progress: called with the name of each phase as it starts (``"temperature"``,
-            ``"test prior"``, ``"label bias"``, ``"zero-shot prior"``, ``"done"``); on every
+        progress: called with the name of each phase as it starts (by default
+            ``"temperature"``, ``"test prior"``, ``"label bias"``, ``"zero-shot prior"``, then
+            ``"done"``; ``head_labels="debiased"`` starts with ``"test prior"``); on every
             shard alike, so a caller reports it once (rank zero).
 
     Runs under ``torch.no_grad()``: nothing it returns requires grad.
@@ -148,35 +149,14 @@ def fit_frolic(
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
     k = prototypes.shape[0]
     report = progress or _silent
-    gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
-    if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
-        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
-        prototypes, gaussian = released_proxies(
-            features, prototypes, gaussian, tau_c, options, **kwargs
-        )
     z = prototypes.to(torch.float64)
     scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))  # f_c / tau_c
     zero_shot = scaled.source(features, chunk_size)
-    gda = gaussian.affine().source(features, chunk_size)
     buffer = scratch = None
     if keep_logits:  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
         buffer, scratch = (_new_buffer(features, k) for _ in range(2))
-        fill(buffer, gda)
-        fill(scratch, zero_shot)
-        gda, zero_shot = TensorLogits(buffer, chunk_size), TensorLogits(scratch, chunk_size)
-    report("temperature")
-    if options.fusion == "fixed":  # the released script's equal scales
-        tau_g = tau_c
-    else:
-        tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
-    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
-    if buffer is not None:
-        for start, chunk in zero_shot.chunks():
-            buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
-        fused = TensorLogits(buffer, chunk_size)
-    else:
-        fused = head.fused().source(features, chunk_size)
+        zero_shot = fill(scratch, zero_shot)
+    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
     match = partial(
         fit_label_bias,
         eps=options.eps,
@@ -184,51 +164,92 @@ def fit_frolic(
         prior_floor=options.prior_floor,
         reduce_fn=reduce_fn,
     )
-    estimate = None
-    if options.test_prior == "em":
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    # the head's soft labels: the debiased zero-shot posterior (its mixture is also the one
+    # whose weights estimate the test prior), or the raw one (Eqs. 4-8; the test prior is then
+    # estimated on a mixture refitted under the debiased fused posterior)
+    debias_head = options.head_labels == "debiased" and options.covariance == "soft"
+    debias_head = debias_head and options.zero_shot != "inmap_both"
+    estimate = zero_shot_bias = gaussian = None
+    if debias_head and options.test_prior == "em":
         report("test prior")
-        estimate = estimate_test_prior(
+        estimate = _test_prior(
             features,
             prototypes,
-            fused,
+            zero_shot,
             sums,
-            shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
-            evidence=options.shift_evidence,
-            rounds=options.prior_rounds,
-            tol=options.prior_tol,
-            match_eps=options.eps,
-            match_max_iter=options.max_iter,
-            prior_floor=options.prior_floor,
-            reduce_fn=reduce_fn,
-            chunk_size=chunk_size,
-            buffer=scratch,
+            options,
+            reduce_fn,
+            chunk_size,
+            buffer,
+            box,
+            head=True,
         )
-        if not estimate.converged:
-            warnings.warn(
-                f"the test prior's mixture weights did not reach prior_tol={options.prior_tol} "
-                "within their cap of passes; the test prior is reported as converged: false",
-                UserWarning,
-                stacklevel=3,
-            )
+        gaussian = estimate.head
+        zero_shot_bias = estimate.bias if options.bias == "soft" else None
+    elif debias_head:
+        report("zero-shot prior")
+        zero_shot_bias = match(
+            zero_shot,
+            method="soft",
+            bound=box,
+            eps=min(options.eps, HEAD_LABELS_EPS),
+            name=ZERO_SHOT_BETA,
+        )
+        packed = posterior_sums(zero_shot, zero_shot_bias.log_offset, features)
+        head_sums = refitted_sums(sums, reduce_fn(packed))
+        gaussian = fit_gaussian_head(head_sums, prototypes, "soft", options.shrinkage)
+        zero_shot_bias = zero_shot_bias if options.bias == "soft" else None
+    if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
+        gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
+    if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
+        prototypes, gaussian = released_proxies(
+            features, prototypes, gaussian, tau_c, options, **kwargs
+        )
+        z = prototypes.to(torch.float64)
+        scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))
+        zero_shot = scaled.source(features, chunk_size)
+        zero_shot = zero_shot if scratch is None else fill(scratch, zero_shot)
+    report("temperature")
+    tau_g, fused = _fuse(
+        features,
+        zero_shot,
+        buffer,
+        z,
+        tau_c,
+        options,
+        reduce_fn,
+        chunk_size,
+        gaussian,
+        filled=estimate is not None and estimate.head is not None,
+    )
+    head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
+    if options.test_prior == "em" and estimate is None:  # on the fused posterior
+        report("test prior")
+        estimate = _test_prior(
+            features, prototypes, fused, sums, options, reduce_fn, chunk_size, scratch, None
+        )
+        if scratch is not None:  # the scratch held the mixture's logits: f_c / tau_c again
+            zero_shot = fill(scratch, scaled.source(features, chunk_size))
+        bias = estimate.bias if options.bias == "soft" else None
+    else:
+        bias = None
     test_prior = None if estimate is None else floored(estimate.prior, options.prior_floor)
     report("label bias")
-    if estimate is not None and options.bias == "soft":
-        bias = estimate.bias
-        warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
+    if bias is None:
+        tight = {"eps": min(options.eps, HEAD_LABELS_EPS)} if debias_head else {}
+        bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
-        bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA)
+        warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
     head.beta, head.test_prior = bias.beta, test_prior
     if buffer is not None:
         buffer.add_(head.log_offset().to(buffer))
-    report("zero-shot prior")
-    if scratch is not None:
-        if estimate is not None:  # the scratch held the mixture's logits: f_c / tau_c again
-            fill(scratch, scaled.source(features, chunk_size))
-        zero_shot = TensorLogits(scratch, chunk_size)
-    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
-    zero_shot_bias = match(
-        zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
-    )
+    if zero_shot_bias is None:
+        report("zero-shot prior")
+        zero_shot_bias = match(
+            zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
+        )
     head.zero_shot_beta = zero_shot_bias.beta
     priors = Priors(
         test_prior=uniform if test_prior is None else test_prior,
@@ -245,6 +266,85 @@ def fit_frolic(
     )
     report("done")
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
+
+
+HEAD_LABELS_EPS = 1e-6
+"""Tolerance of the matchings that debias the head's labels (``head_labels="debiased"``):
+the head moves with them, so they are solved to rounding, not to ``eps``."""
+
+
+def _fuse(
+    features: Tensor,
+    zero_shot: LogitSource,
+    buffer: Tensor | None,
+    z: Tensor,
+    tau_c: float,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    gaussian: GaussianHead,
+    filled: bool = False,
+) -> tuple[float, LogitSource]:
+    r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12) of ``gaussian``:
+    :math:`f_g`, then :math:`f_f` in ``buffer`` where there is one (``filled``: it already
+    holds :math:`f_g`), else recomputed by chunks."""
+    gda = gaussian.affine().source(features, chunk_size)
+    if buffer is not None:
+        gda = TensorLogits(buffer, chunk_size) if filled else fill(buffer, gda)
+    if options.fusion == "fixed":  # the released script's equal scales
+        tau_g = tau_c
+    else:
+        tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
+    if buffer is None:
+        uniform = torch.full((z.shape[0],), 1.0 / z.shape[0], dtype=torch.float64)
+        head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
+        return tau_g, head.fused().source(features, chunk_size)
+    for start, chunk in zero_shot.chunks():
+        buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
+    return tau_g, TensorLogits(buffer, chunk_size)
+
+
+def _test_prior(
+    features: Tensor,
+    prototypes: Tensor,
+    source: LogitSource,
+    sums: MomentSums,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    buffer: Tensor | None,
+    bound: float | None,
+    head: bool = False,
+) -> TestPrior:
+    """:func:`~frolic_tta.prior.estimate_test_prior` with ``options``; warns where a weight
+    solve stopped at its cap. With ``head``, the mixture is the head itself: its labels'
+    matchings run to :data:`HEAD_LABELS_EPS` (the head, not only an offset, depends on them)."""
+    estimate = estimate_test_prior(
+        features,
+        prototypes,
+        source,
+        sums,
+        shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
+        evidence=options.shift_evidence,
+        rounds=options.prior_rounds,
+        tol=options.prior_tol,
+        match_eps=min(options.eps, HEAD_LABELS_EPS) if head else options.eps,
+        match_max_iter=options.max_iter,
+        start_passes=options.max_iter if head else None,
+        prior_floor=options.prior_floor,
+        bound=bound,
+        reduce_fn=reduce_fn,
+        chunk_size=chunk_size,
+        buffer=buffer,
+    )
+    if not estimate.converged:
+        warnings.warn(
+            f"the test prior's mixture weights did not reach prior_tol={options.prior_tol} "
+            "within their cap of passes; the test prior is reported as converged: false",
+            UserWarning,
+            stacklevel=4,
+        )
+    return estimate
 
 
 def _silent(phase: str) -> None:
@@ -278,45 +378,3 @@ def floored(prior: Tensor, prior_floor: float) -> Tensor:
     """``prior`` with every entry at least ``prior_floor`` / K, renormalised (float64)."""
     prior = prior.to(torch.float64).cpu().clamp(min=prior_floor / prior.shape[0])
     return prior / prior.sum()
-
-
-def check_samples_everywhere(
-    features: Tensor,
-    reduce_fn: ReduceFn,
-    sums: MomentSums | None = None,
-    prototypes: Tensor | None = None,
-) -> None:
-    """Raise on every shard together if any shard holds a non-finite feature, if all shards
-    together hold fewer than 2 samples, or if given ``sums`` are not those of ``features`` (one
-    reduction).
-
-    Raises:
-        ValueError: NaN or inf in the features of some shard, N < 2 over all shards, or
-            ``sums`` of other shapes, empty, or whose count and feature sum contradict the
-            features (all shards raise, so none is left waiting in a collective).
-    """
-    if sums is not None and prototypes is not None:
-        check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
-    local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
-    counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
-    if sums is not None:
-        counts = torch.cat([counts, features.to(torch.float64).sum(0).cpu()])
-    reduced = reduce_fn(counts)
-    bad, total = (int(v) for v in reduced[:2].tolist())
-    if bad:
-        raise ValueError(
-            f"Expected finite features, but {bad} sample(s) hold NaN or inf; drop or "
-            "repair them before fitting (FrolicModule skips them and reports their indices)"
-        )
-    if total < 2:
-        where = "" if reduce_fn is identity_reduce else " over all shards"
-        raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
-    if sums is not None:
-        given = float(sums.count)
-        gap = float((sums.feature_sum.double().cpu() - reduced[2:]).abs().max())
-        if abs(given - total) > 0.5 or gap > 1e-6 * max(1.0, total):
-            raise ValueError(
-                f"Expected `sums` to be the moment sums of `features` (N={total}), but their "
-                f"count is {given:g} and their feature sum differs by up to {gap:.3g}: pass the "
-                "sums of these features (reduced over all shards), or sums=None"
-            )

@@ -10,13 +10,20 @@ mixture with a shared covariance,
 a model of the *images* that the text side's pre-training prior :math:`\beta` does not enter,
 so its mixture weights estimate :math:`\pi` without any assumption on :math:`\beta`.
 
-**The balanced refit and a test.** The fused logits are first matched to the balanced prior
-(the paper's solution, :mod:`frolic_tta.matching`); the mixture's means and shared covariance are
-refitted under that debiased fused posterior :math:`q_i = \mathrm{softmax}(f_f(x_i) - \ln\hat\beta)`
-(the soft scatter of :mod:`frolic_tta.gda`, one pass :math:`q^\top X`; the fused posterior is far
-more accurate than the zero-shot one), and the mixture's likelihood is maximised over
-:math:`\pi` alone with those components fixed (maximum-likelihood label shift, Saerens et al.
-2002; :func:`~frolic_tta.mixture.mixture_weights`):
+**Which mixture.** By default (``head_labels="debiased"``) the mixture is the Gaussian head
+itself: its means and shared covariance are the soft scatter (:mod:`frolic_tta.gda`) under the
+*debiased zero-shot* posterior :math:`q_i = \mathrm{softmax}(f_c(x_i)/\tau_c - \ln\hat\beta_c)`,
+whose class masses are matched to the current prior (:mod:`frolic_tta.matching`), so the text
+bias no longer pulls the small classes' means towards the large ones. The same fit gives the
+test prior (its weights, below) and :math:`f_g` (its logits). With the paper's raw zero-shot
+head (``head_labels="zero_shot"``) the mixture is refitted under the debiased *fused*
+posterior :math:`\mathrm{softmax}(f_f - \ln\hat\beta)` instead. Either way ``source`` names the
+logits whose debiased posterior weights the mixture.
+
+**The balanced refit and a test.** ``source`` is first matched to the balanced prior; the
+mixture is refitted under that debiased posterior (one pass :math:`q^\top X`), and its
+likelihood is maximised over :math:`\pi` alone with those components fixed
+(maximum-likelihood label shift, Saerens et al. 2002; :func:`~frolic_tta.mixture.mixture_weights`):
 
 .. math::
     \hat\pi = \arg\max_{\pi \in \Delta_K} \sum_i \ln\sum_j \pi_j\, e^{g_{ij}},\qquad
@@ -27,10 +34,10 @@ a concave problem with one maximiser. Its likelihood ratio against uniform,
 :math:`w = \max(0, 1 - c(K-1)/\Lambda)` (``evidence`` :math:`c`, default 0.5) and
 :math:`\tilde\pi = \frac1K + w(\hat\pi - \frac1K)`. Components fitted under the balanced posterior
 lean towards uniform masses, so on balanced data :math:`\Lambda/(K-1)` stays far below its
-:math:`\chi^2` mean of 1 (0.06-0.25 on the worlds of ``benchmarks/label_shift.py``); with
-:math:`w = 0` the result is the balanced solution and nothing more is done.
+:math:`\chi^2` mean of 1; with :math:`w = 0` the result is the balanced solution and nothing
+more is done.
 
-**Refits.** Otherwise ``rounds`` times: match :math:`f_f` to :math:`\tilde\pi`, refit the mixture
+**Refits.** Otherwise ``rounds`` times: match ``source`` to :math:`\tilde\pi`, refit the mixture
 under that posterior, solve its weights again and update :math:`w` from the new :math:`\Lambda`.
 
 **Exactness.** The estimate is a fixed, defined computation (the balanced refit, then
@@ -48,7 +55,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import MomentSums, fit_gaussian_head
+from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     LogitSource,
@@ -75,6 +82,8 @@ class TestPrior:
         passes: passes over the logits or features (each with one reduction).
         converged: every solve of the mixture weights reached ``tol`` (the matching of the
             logits reports its own convergence, :class:`~frolic_tta.matching.MassMatch`).
+        head: the last mixture refitted (its component log-likelihoods are in ``buffer``), or
+            ``None`` where it could not be fitted.
     """
 
     prior: Tensor
@@ -85,15 +94,17 @@ class TestPrior:
     rounds: int
     passes: int
     converged: bool
+    head: GaussianHead | None = None
 
 
-def _posterior_sums(fused: LogitSource, log_offset: Tensor, features: Tensor) -> Tensor:
+def posterior_sums(source: LogitSource, log_offset: Tensor, features: Tensor) -> Tensor:
     r"""Packed ``[sum_i q_i (K,), sum_i q_i x_i^T (K*d,)]`` of the local shard (float64) for the
-    debiased posterior :math:`q_i = \mathrm{softmax}(f_f(x_i) + \text{offset})`."""
-    k, d = fused.num_classes, features.shape[1]
+    debiased posterior :math:`q_i = \mathrm{softmax}(f(x_i) + \text{offset})` of the logits
+    ``source`` (reduce it, then :func:`refitted_sums`)."""
+    k, d = source.num_classes, features.shape[1]
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
-    for start, logits in fused.chunks():
+    for start, logits in source.chunks():
         posterior = torch.softmax(logits + log_offset.to(logits), dim=1)
         block = features[start : start + logits.shape[0]].to(posterior.dtype)
         count += posterior.sum(0).double()
@@ -101,10 +112,16 @@ def _posterior_sums(fused: LogitSource, log_offset: Tensor, features: Tensor) ->
     return torch.cat([count, weighted.flatten()]).cpu()
 
 
+def refitted_sums(sums: MomentSums, packed: Tensor) -> MomentSums:
+    """``sums`` with their soft sums replaced by the reduced :func:`posterior_sums` ``packed``."""
+    k = sums.soft_count.shape[0]
+    return replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
+
+
 def estimate_test_prior(
     features: Tensor,
     prototypes: Tensor,
-    fused: LogitSource,
+    source: LogitSource,
     sums: MomentSums,
     *,
     shrinkage: Shrinkage = "auto",
@@ -113,18 +130,22 @@ def estimate_test_prior(
     tol: float = 1e-7,
     match_eps: float = 0.01,
     match_max_iter: int = 100,
+    start_passes: int | None = None,
     prior_floor: float = 1e-30,
+    bound: float | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     buffer: Tensor | None = None,
 ) -> TestPrior:
-    r"""The test prior :math:`\tilde\pi` and the matching of the fused logits to it (module
+    r"""The test prior :math:`\tilde\pi` and the matching of ``source`` to it (module
     docstring).
 
     Args:
         features: ``(N_local, d)`` features of the local shard.
         prototypes: ``(K, d)``.
-        fused: ``(N_local, K)`` fused logits :math:`f_f` (Eq. 12) of the local shard.
+        source: ``(N_local, K)`` logits of the local shard whose debiased posterior weights
+            the mixture: the zero-shot :math:`f_c/\tau_c` (``head_labels="debiased"``) or the
+            fused :math:`f_f` (Eq. 12).
         sums: reduced moment sums of all shards (count, first and second moments are used).
         shrinkage: of the mixture's covariance (:func:`~frolic_tta.gda.fit_gaussian_head`).
         evidence: :math:`c` of the shrinkage towards uniform; ``0`` keeps :math:`\hat\pi`.
@@ -132,7 +153,11 @@ def estimate_test_prior(
         tol: of the mixture weights (:func:`~frolic_tta.mixture.mixture_weights`).
         match_eps: ``eps`` of :func:`~frolic_tta.matching.match_class_masses`.
         match_max_iter: its ``max_iter``.
+        start_passes: cap on the balanced matching that seeds the first refit (default
+            :data:`START_PASSES`: only its posterior is used; ``match_max_iter`` where that
+            refit may be the final head).
         prior_floor: :math:`\hat\beta_j, \tilde\pi_j \ge` ``prior_floor`` / K.
+        bound: ``bound`` of the matching (:func:`~frolic_tta.matching.match_class_masses`).
         reduce_fn: sums a tensor over shards (identity by default).
         chunk_size: rows per chunk.
         buffer: ``(N_local, K)`` float32 scratch for the balanced mixture's log-likelihoods
@@ -146,15 +171,18 @@ def estimate_test_prior(
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
 
     def match(target: Tensor, start: MassMatch | None = None, cap: int = match_max_iter):
-        kwargs = {"eps": match_eps, "max_iter": cap, "prior_floor": prior_floor}
+        kwargs = {"eps": match_eps, "max_iter": cap, "prior_floor": prior_floor, "bound": bound}
         init = None if start is None else start.beta  # warm start from the last round
-        return match_class_masses(fused, target, reduce_fn=reduce_fn, init=init, **kwargs)
+        return match_class_masses(source, target, reduce_fn=reduce_fn, init=init, **kwargs)
+
+    fitted: list[GaussianHead] = []
 
     def weights(bias: MassMatch, init: Tensor | None) -> tuple[Tensor, float, int, bool]:
         """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
-        packed = reduce_fn(_posterior_sums(fused, bias.log_offset, features))
-        refit = replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
+        packed = reduce_fn(posterior_sums(source, bias.log_offset, features))
+        refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
+        fitted.append(head)
         components: LogitSource = head.affine().source(features, chunk_size)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
@@ -163,7 +191,7 @@ def estimate_test_prior(
 
     # the balanced matching is the refit's starting posterior: a short cap (an imbalanced test
     # set keeps it from converging, and only its posterior is used), finished below if final
-    bias = match(uniform, cap=min(match_max_iter, START_PASSES))
+    bias = match(uniform, cap=min(match_max_iter, start_passes or START_PASSES))
     try:
         raw, ratio, passes, converged = weights(bias, None)
     except (ValueError, torch.linalg.LinAlgError) as error:  # identical on every shard
@@ -181,7 +209,7 @@ def estimate_test_prior(
         if not bias.converged:
             bias = match(uniform, bias)
             passes += bias.evaluations
-        return TestPrior(uniform, raw, 0.0, ratio, bias, 0, passes, converged)
+        return TestPrior(uniform, raw, 0.0, ratio, bias, 0, passes, converged, fitted[-1])
     for _ in range(rounds):
         bias = match(_shrunk(raw, weight, prior_floor), bias)
         raw, ratio, inner, done = weights(bias, raw)
@@ -191,7 +219,7 @@ def estimate_test_prior(
     prior = _shrunk(raw, weight, prior_floor)
     bias = match(prior, bias)
     passes += bias.evaluations
-    return TestPrior(prior, raw, weight, ratio, bias, rounds, passes, converged)
+    return TestPrior(prior, raw, weight, ratio, bias, rounds, passes, converged, fitted[-1])
 
 
 START_PASSES = 20

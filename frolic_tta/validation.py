@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from frolic_tta.gda import MomentSums
+    from frolic_tta.logits import ReduceFn
 
 
 def check_matrix(
@@ -215,3 +219,47 @@ def check_sums_shapes(sums: Any, prototypes: Tensor) -> None:
         )
     if not float(sums.count) > 0:
         raise ValueError(f"Expected `sums` of at least one sample, but their count is {sums.count}")
+
+
+def check_samples_everywhere(
+    features: Tensor,
+    reduce_fn: ReduceFn,
+    sums: MomentSums | None = None,
+    prototypes: Tensor | None = None,
+) -> None:
+    """Raise on every shard together if any shard holds a non-finite feature, if all shards
+    together hold fewer than 2 samples, or if given ``sums`` are not those of ``features`` (one
+    reduction).
+
+    Raises:
+        ValueError: NaN or inf in the features of some shard, N < 2 over all shards, or
+            ``sums`` of other shapes, empty, or whose count and feature sum contradict the
+            features (all shards raise, so none is left waiting in a collective).
+    """
+    from frolic_tta.logits import identity_reduce  # logits imports this module
+
+    if sums is not None and prototypes is not None:
+        check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
+    local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
+    counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
+    if sums is not None:
+        counts = torch.cat([counts, features.to(torch.float64).sum(0).cpu()])
+    reduced = reduce_fn(counts)
+    bad, total = (int(v) for v in reduced[:2].tolist())
+    if bad:
+        raise ValueError(
+            f"Expected finite features, but {bad} sample(s) hold NaN or inf; drop or "
+            "repair them before fitting (FrolicModule skips them and reports their indices)"
+        )
+    if total < 2:
+        where = "" if reduce_fn is identity_reduce else " over all shards"
+        raise ValueError(f"Expected at least 2 samples (N >= 2){where}, but got N={total}")
+    if sums is not None:
+        given = float(sums.count)
+        gap = float((sums.feature_sum.double().cpu() - reduced[2:]).abs().max())
+        if abs(given - total) > 0.5 or gap > 1e-6 * max(1.0, total):
+            raise ValueError(
+                f"Expected `sums` to be the moment sums of `features` (N={total}), but their "
+                f"count is {given:g} and their feature sum differs by up to {gap:.3g}: pass the "
+                "sums of these features (reduced over all shards), or sums=None"
+            )

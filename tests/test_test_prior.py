@@ -18,6 +18,7 @@ import frolic_tta
 from frolic_tta import accuracy
 from frolic_tta.logits import TensorLogits
 from frolic_tta.mixture import mixture_weights
+from frolic_tta.rows import RowContext, build_rows
 from frolic_tta.synthetic import clip_like_world
 from tests.sharding import run_sharded
 from tests.worlds import long_tailed_world, uneven_bounds
@@ -158,3 +159,28 @@ def test_degenerate_inputs_give_finite_logits(n, k, d, distinct):
         result = frolic_tta.frolic(x, z, normalize=True)
     assert bool(torch.isfinite(result.logits).all())
     assert 0.0 <= result.priors.shift_weight <= 1.0
+
+
+def rows_of(result, labels, keys=("f_c", "f_c - ln beta", "f_f", "f_d")):
+    """Accuracies of some Table 3 rows (the others, e.g. InMaP's, are not computed)."""
+    ctx = RowContext(result.head, result.sums, result.features, result.options, labels=labels)
+    rows = build_rows(ctx)
+    return {key: accuracy(rows[key].logits(result.features), labels) for key in keys}
+
+
+def test_the_fusion_earns_its_weight_at_ten_samples_per_class():
+    # the issue's case at a size a test affords: K = 400, d = 256, 10 samples per class,
+    # balanced (benchmarks/label_shift.py's "K=400, 10 per class"). With the paper's head,
+    # whose means are weighted by the raw zero-shot posterior, f_d (0.944) was below the
+    # debiased zero-shot row f_c - ln beta (0.957): the head learnt the text bias back
+    world = clip_like_world(4000, 400, 256, noise=0.5, tilt=0.3, text_bias=0.03, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fits = {
+            labels: frolic_tta.frolic(world.features, world.prototypes, head_labels=labels)
+            for labels in ("debiased", "zero_shot")
+        }
+    new, old = (rows_of(fits[k], world.labels) for k in ("debiased", "zero_shot"))
+    assert new["f_d"] >= max(new["f_c"], new["f_c - ln beta"], new["f_f"])
+    assert old["f_d"] < old["f_c - ln beta"] - 0.005  # the failure, rebuilt
+    assert new["f_d"] > old["f_d"] + 0.01

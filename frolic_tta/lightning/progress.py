@@ -32,7 +32,7 @@ __all__ = ["FinalizeProgress", "LineProgressBar"]
 log = logging.getLogger("frolic_tta")
 
 PHASES = ("temperature", "test prior", "label bias", "zero-shot prior")
-"""The phases :func:`frolic_tta.fit_frolic` reports, in order (then ``"done"``)."""
+"""The phases :func:`frolic_tta.fit_frolic` reports, in the default's order (then ``"done"``)."""
 
 
 class FinalizeProgress:
