@@ -22,9 +22,18 @@ from frolic_tta.gda import GaussianHead
 from frolic_tta.logits import AffineMap
 
 
-@dataclass
+def fused_map(prototypes: Tensor, gaussian: GaussianHead, tau_c: float, tau_g: float) -> AffineMap:
+    r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu` (float64)."""
+    z = prototypes.to(torch.float64)
+    weight = gaussian.weight / tau_g + z / tau_c
+    bias = gaussian.bias / tau_g + (z @ gaussian.center) / tau_c
+    return AffineMap(weight, bias, gaussian.center)
+
+
+@dataclass(frozen=True)
 class FrolicHead:
-    r"""The adapted classifier (float64).
+    r"""The adapted classifier (float64), built once by :func:`~frolic_tta.fit_frolic` from
+    everything it estimated (nothing is set on it afterwards).
 
     Attributes:
         prototypes: ``(K, d)`` :math:`z_j`.
@@ -59,11 +68,7 @@ class FrolicHead:
 
     def fused(self) -> AffineMap:
         r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu`."""
-        g = self.gaussian
-        z = self.prototypes.to(torch.float64)
-        weight = g.weight / self.tau_g + z / self.tau_c
-        bias = g.bias / self.tau_g + (z @ g.center) / self.tau_c
-        return AffineMap(weight, bias, g.center)
+        return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g)
 
     def affine(self) -> AffineMap:
         r""":math:`f_d = f_f - \ln\hat\beta + \ln\hat\pi` (Eq. 13), centred at :math:`\hat\mu`."""

@@ -28,7 +28,7 @@ from torch import Tensor
 from frolic_tta.calibration import match_temperature
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
-from frolic_tta.head import FrolicHead
+from frolic_tta.head import FrolicHead, fused_map
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
@@ -224,7 +224,6 @@ def fit_frolic(
         gaussian,
         filled=estimate is not None and estimate.head is not None,
     )
-    head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
     if options.test_prior == "em" and estimate is None:  # on the fused posterior
         report("test prior")
         estimate = _test_prior(
@@ -242,15 +241,14 @@ def fit_frolic(
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
-    head.beta, head.test_prior = bias.beta, test_prior
-    if buffer is not None:
-        buffer.add_(head.log_offset().to(buffer))
     if zero_shot_bias is None:
         report("zero-shot prior")
         zero_shot_bias = match(
             zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
         )
-    head.zero_shot_beta = zero_shot_bias.beta
+    head = FrolicHead(z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta)
+    if buffer is not None:  # f_f -> f_d
+        buffer.add_(head.log_offset().to(buffer))
     priors = Priors(
         test_prior=uniform if test_prior is None else test_prior,
         raw_test_prior=None if estimate is None else estimate.raw,
@@ -296,9 +294,7 @@ def _fuse(
     else:
         tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
     if buffer is None:
-        uniform = torch.full((z.shape[0],), 1.0 / z.shape[0], dtype=torch.float64)
-        head = FrolicHead(z, gaussian, tau_c, tau_g, uniform)
-        return tau_g, head.fused().source(features, chunk_size)
+        return tau_g, fused_map(z, gaussian, tau_c, tau_g).source(features, chunk_size)
     for start, chunk in zero_shot.chunks():
         buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
     return tau_g, TensorLogits(buffer, chunk_size)
