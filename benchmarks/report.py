@@ -182,7 +182,8 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
         "matching, the mixture refitted under it and its weights, and the refits where the test "
         f"set is imbalanced; {phases}; extra MiB is the peak RSS above the features, "
         "prototypes and output placeholders; K×K / full N×K: whether any torch op created "
-        "such a tensor (`TorchDispatchMode` audit). * N-linear phases scaled from the run's "
+        "such a tensor (`TorchDispatchMode` audit; from 2026-11-24 in a separate run, not timed, "
+        "as the mode costs time on every op). * N-linear phases scaled from the run's "
         "N, same iteration counts assumed. cores used = CPU time / wall time of the case (2 = both "
         "cores were ours)."
     )
