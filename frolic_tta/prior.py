@@ -10,15 +10,15 @@ mixture with a shared covariance,
 a model of the *images* that the text side's pre-training prior :math:`\beta` does not enter,
 so its mixture weights estimate :math:`\pi` without any assumption on :math:`\beta`.
 
-**Which mixture.** By default (``head_labels="debiased"``) the mixture is the Gaussian head
+**Which mixture.** With ``head_labels="debiased"`` (opt in) the mixture is the Gaussian head
 itself: its means and shared covariance are the soft scatter (:mod:`frolic_tta.gda`) under the
 *debiased zero-shot* posterior :math:`q_i = \mathrm{softmax}(f_c(x_i)/\tau_c - \ln\hat\beta_c)`,
 whose class masses are matched to the current prior (:mod:`frolic_tta.matching`), so the text
 bias no longer pulls the small classes' means towards the large ones. The same fit gives the
 test prior (its weights, below) and :math:`f_g` (its logits). With the paper's raw zero-shot
-head (``head_labels="zero_shot"``) the mixture is refitted under the debiased *fused*
-posterior :math:`\mathrm{softmax}(f_f - \ln\hat\beta)` instead. Either way ``source`` names the
-logits whose debiased posterior weights the mixture.
+head (``head_labels="zero_shot"``, the default) the mixture is refitted under the debiased
+*fused* posterior :math:`\mathrm{softmax}(f_f - \ln\hat\beta)` instead. Either way ``source``
+names the logits whose debiased posterior weights the mixture.
 
 **The balanced refit and a test.** ``source`` is first matched to the balanced prior; the
 mixture is refitted under that debiased posterior (one pass :math:`q^\top X`), and its
@@ -77,7 +77,7 @@ class TestPrior:
         raw: ``(K,)`` the mixture's estimate :math:`\hat\pi` before shrinkage.
         weight: :math:`w` in [0, 1] (0: the test set is treated as balanced).
         likelihood_ratio: :math:`\Lambda` of the balanced mixture's weights (>= 0).
-        bias: the matching of the fused logits to ``prior`` (:math:`\hat\beta`, the offset).
+        bias: the matching of ``source`` to ``prior`` (:math:`\hat\beta`, the offset).
         rounds: refits after the balanced one (0: taken as balanced).
         passes: passes over the logits or features (each with one reduction).
         converged: every solve of the mixture weights reached ``tol`` (the matching of the
@@ -175,14 +175,14 @@ def estimate_test_prior(
         init = None if start is None else start.beta  # warm start from the last round
         return match_class_masses(source, target, reduce_fn=reduce_fn, init=init, **kwargs)
 
-    fitted: list[GaussianHead] = []
+    fitted: list[GaussianHead] = []  # the last mixture refitted
 
     def weights(bias: MassMatch, init: Tensor | None) -> tuple[Tensor, float, int, bool]:
         """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
         packed = reduce_fn(posterior_sums(source, bias.log_offset, features))
         refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
-        fitted.append(head)
+        fitted[:] = [head]  # only the last refit is kept
         components: LogitSource = head.affine().source(features, chunk_size)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
