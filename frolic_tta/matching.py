@@ -44,6 +44,12 @@ from torch import Tensor
 from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
 
 
+FLAT = 1e-3
+_ROUNDING = 8 * torch.finfo(torch.float32).eps
+"""Relative change of :math:`J` below which its float32 sums cannot tell a decrease (the logits'
+per-row log-partitions carry float32 rounding); there the projected gradient decides a step."""
+
+
 @dataclass(frozen=True)
 class MassMatch:
     r"""Result of :func:`match_class_masses`.
@@ -75,22 +81,25 @@ class _MassSums:
     log_partition: Tensor  # () sum_i lse(f_i + shift)
     mass: Tensor  # (K,) sum_i q_i, the class masses
     curvature: Tensor  # (K,) sum_i q_i (1 - q_i)
+    outer: Tensor | None = None  # (K, K) sum_i q_i q_i^T, where the full Hessian is wanted
 
     def pack(self) -> Tensor:
-        return torch.cat([torch.stack([self.count, self.log_partition]), self.mass, self.curvature])
+        pieces = [torch.stack([self.count, self.log_partition]), self.mass, self.curvature]
+        return torch.cat(pieces + ([] if self.outer is None else [self.outer.flatten()]))
 
     @classmethod
-    def unpack(cls, packed: Tensor) -> _MassSums:
-        k = (packed.shape[0] - 2) // 2
-        return cls(packed[0], packed[1], packed[2 : k + 2], packed[k + 2 :])
+    def unpack(cls, packed: Tensor, k: int) -> _MassSums:
+        outer = packed[2 * k + 2 :].view(k, k) if packed.shape[0] > 2 * k + 2 else None
+        return cls(packed[0], packed[1], packed[2 : k + 2], packed[k + 2 : 2 * k + 2], outer)
 
     def reduce(self, reduce_fn: ReduceFn) -> _MassSums:
         """The sums over all shards: one ``reduce_fn`` call."""
-        return _MassSums.unpack(reduce_fn(self.pack()))
+        return _MassSums.unpack(reduce_fn(self.pack()), self.mass.shape[0])
 
 
-def _sums(source: LogitSource, shift: Tensor) -> _MassSums:
-    """The :class:`_MassSums` of the local shard at ``shift`` (K,).
+def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
+    r"""The :class:`_MassSums` of the local shard at ``shift`` (K,); with ``outer``, also
+    :math:`\sum_i q_i q_i^\top` (one (K, N) x (N, K) product per chunk).
 
     One exponential per entry; column sums in the logits' dtype, accumulated in float64.
     """
@@ -99,6 +108,7 @@ def _sums(source: LogitSource, shift: Tensor) -> _MassSums:
     log_partition = torch.zeros((), dtype=torch.float64)
     mass = torch.zeros(k, dtype=torch.float64)
     curvature = torch.zeros(k, dtype=torch.float64)
+    products = torch.zeros(k, k, dtype=torch.float64) if outer else None
     for _, logits in source.chunks():
         shifted = logits + shift.to(logits)
         top = shifted.max(dim=1, keepdim=True).values
@@ -109,8 +119,43 @@ def _sums(source: LogitSource, shift: Tensor) -> _MassSums:
         log_partition += float((top + norm.log()).sum(dtype=torch.float64))
         column = posterior.sum(0)
         mass += column.double().cpu()
+        if products is not None:
+            products += (posterior.T @ posterior).double().cpu()
         curvature += (column - posterior.square_().sum(0)).double().cpu()
-    return _MassSums(count, log_partition, mass, curvature)
+    return _MassSums(count, log_partition, mass, curvature, products)
+
+
+def _newton_direction(sums: _MassSums, gradient: Tensor, free: Tensor) -> Tensor | None:
+    r"""The Newton direction :math:`H_{FF}^{+} g_F` on the free classes ``free`` (K,) bool.
+
+    :math:`H = (\mathrm{diag}(m) - \sum_i q_i q_i^\top)/N` is a graph Laplacian over the classes
+    (two classes are linked by the samples they share): singular along the constant vector of
+    every group of classes that shares no sample with the rest, directions in which :math:`J`
+    is flat or moves only through the classes left out of ``free``. The pseudo-inverse (its
+    eigenvalues below :math:`10^{-6}` of the largest dropped: the float32 sums round at about
+    :math:`10^{-7}`) steps in the others; in the null directions :math:`J` is linear, so the
+    gradient's part there (beyond :math:`10^{-6}` in L1) takes a step of 10 towards the bound.
+    ``None`` where :math:`H_{FF} = 0`.
+    """
+    n = float(sums.count)
+    # diag(m) from the row sums of sum_i q_i q_i^T (equal, as sum_j q_ij = 1): the rows of
+    # this H sum to 0 to float64 rounding, so its null directions stay null in float32 sums
+    hessian = (torch.diag(sums.outer.sum(1)) - sums.outer) / n
+    index = free.nonzero().squeeze(1)
+    values, vectors = torch.linalg.eigh(hessian[index][:, index])
+    if not float(values.max()) > 0.0:
+        return None
+    keep = values > 1e-6 * float(values.max())
+    basis, null = vectors[:, keep], vectors[:, ~keep]
+    direction = torch.zeros_like(gradient)
+    local = gradient[index]
+    direction[index] = basis @ ((basis.T @ local) / values[keep])
+    if bool(free.all()):  # J ignores the constant vector: no step along it
+        local = local - local.mean()
+    flat = null @ (null.T @ local)  # J is linear there: a step of 10 towards the bound
+    if float(flat.abs().sum()) > 1e-6:
+        direction[index] += flat * (10.0 / float(flat.abs().max()))
+    return direction
 
 
 def match_class_masses(
@@ -148,35 +193,61 @@ def match_class_masses(
     log_target = torch.log(target.clamp(min=prior_floor / k))
     box = math.log(k / prior_floor) / 2 if bound is None else float(bound)
 
-    def evaluate(b: Tensor) -> tuple[float, Tensor, Tensor, float]:
-        sums = _sums(source, log_target - b).reduce(reduce_fn)
+    def evaluate(b: Tensor, outer: bool) -> tuple[float, Tensor, _MassSums]:
+        sums = _sums(source, log_target - b, outer).reduce(reduce_fn)
         n = float(sums.count)
-        objective = float(sums.log_partition) / n + float(target @ b)
-        return objective, target - sums.mass / n, sums.curvature / n, n
+        return float(sums.log_partition) / n + float(target @ b), target - sums.mass / n, sums
+
+    def blocked(b: Tensor, gradient: Tensor) -> Tensor:
+        # J is invariant to adding a constant to b, so the box [-bound, bound] fixes the gauge
+        return ((b >= box) & (gradient < 0)) | ((b <= -box) & (gradient > 0))
 
     def projected(b: Tensor, gradient: Tensor) -> Tensor:
-        # J is invariant to adding a constant to b, so the box [-bound, bound] fixes the gauge
-        blocked = ((b >= box) & (gradient < 0)) | ((b <= -box) & (gradient > 0))
-        return torch.where(blocked, torch.zeros_like(gradient), gradient)
+        return torch.where(blocked(b, gradient), torch.zeros_like(gradient), gradient)
+
+    def search_direction(b: Tensor, gradient: Tensor, sums: _MassSums) -> Tensor:
+        diagonal = gradient * sums.count / sums.curvature.clamp(min=1e-12 * float(sums.count))
+        diagonal = torch.where(blocked(b, gradient), 0.0, diagonal.clamp(-10.0, 10.0))
+        if sums.outer is None:
+            return diagonal
+        # classes moved by less than one sample's mass (N h_j < 1) are flat: their Newton
+        # steps would be rounding noise, so they take diagonal steps towards the bound
+        free = ~blocked(b, gradient) & (sums.curvature >= FLAT)
+        newton = _newton_direction(sums, gradient, free) if bool(free.any()) else None
+        if newton is None or not bool(newton.isfinite().all()) or float(newton @ gradient) <= 0:
+            return diagonal  # no factorisation or not a descent direction (rounding)
+        newton = newton * min(1.0, 10.0 / float(newton.abs().max().clamp(min=1e-300)))
+        return torch.where(free, newton, diagonal)
 
     b = torch.zeros(k, dtype=torch.float64)
     if init is not None:  # ln beta with the gauge fixed at mean 0, inside the box
         log_init = torch.log(init.to(torch.float64).cpu())
         b = (log_init - log_init.mean()).clamp(-box, box)
-    objective, gradient, curvature, n = evaluate(b)
+    full = False  # the diagonal Newton steps, until they stop halving the gradient
+    objective, gradient, sums = evaluate(b, full)
+    norm = float(projected(b, gradient).abs().sum())
     beta = torch.softmax(b, 0)
     step_size, evaluations, converged = 1.0, 1, False
     while evaluations < max_iter:
-        direction = (gradient / curvature.clamp(min=1e-12)).clamp(-10.0, 10.0)
+        direction = search_direction(b, gradient, sums)
         trial = (b - step_size * direction).clamp(-box, box)
-        trial_objective, trial_gradient, trial_curvature, _ = evaluate(trial)
+        trial_objective, trial_gradient, trial_sums = evaluate(trial, full)
         evaluations += 1
         decrease = 1e-4 * float((gradient * (b - trial)).sum())  # Armijo, <= 0
-        if trial_objective > objective - abs(decrease) and step_size > 1e-6:
+        trial_norm = float(projected(trial, trial_gradient).abs().sum())
+        if abs(trial_objective - objective) <= _ROUNDING * (abs(objective) + 1.0):
+            # J's change is below the rounding of its float32 sums: the Armijo test would
+            # accept or reject at random there, so the projected gradient decides
+            accept = trial_norm < norm
+        else:
+            accept = trial_objective <= objective - abs(decrease)
+        if not accept and step_size > 1e-6:
             step_size *= 0.5  # reject: retry a shorter step from the same point
             continue
-        norm = float(projected(trial, trial_gradient).abs().sum())
-        b, objective, gradient, curvature = trial, trial_objective, trial_gradient, trial_curvature
+        slow = trial_norm > 0.5 * norm and step_size == 1.0
+        b, objective, gradient, sums, norm = (
+            trial, trial_objective, trial_gradient, trial_sums, trial_norm,
+        )
         step_size = min(1.0, 2.0 * step_size)
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
@@ -184,6 +255,14 @@ def match_class_masses(
         if change < eps and norm < eps or change == 0.0:
             converged = True
             break
+        if slow and not full and evaluations < max_iter:
+            # classes coupled through shared samples (hard posteriors): the diagonal steps
+            # converge linearly there; Newton steps on the full K x K Hessian from here on
+            full = True
+            objective, gradient, sums = evaluate(b, full)
+            evaluations += 1
+    curvature = sums.curvature / sums.count
+    n = float(sums.count)
     at_bound = (b.abs() >= box * (1 - 1e-9)) & (projected(b, gradient) != gradient)
     beta = torch.clamp(beta, min=prior_floor / k)
     beta = beta / beta.sum()
