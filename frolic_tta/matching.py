@@ -29,7 +29,12 @@ whose bias moves less than one sample's worth of posterior mass (:math:`N h_j < 
 
 :func:`match_class_masses` minimises :math:`J` on the box by projected Newton steps
 preconditioned with the diagonal curvature :math:`h_j` and Armijo backtracking: one pass over the
-logits and one ``reduce_fn`` call per trial point, no K x K matrix.
+logits and one ``reduce_fn`` call per trial point. Where hard posteriors couple the classes
+(a step no longer halves the gradient), it switches to Newton steps on the full Hessian
+:math:`H = \frac1N(\mathrm{diag}(m) - \sum_i q_i q_i^\top)` (a K x K sum from the same pass, one
+(K, N) x (N, K) product per chunk). Where :math:`J`'s change is below the float32 rounding of
+its sums, the projected gradient's L1 norm decides a step instead of Armijo's test, so the
+tolerance can be :math:`10^{-6}` (the same fixed point on any number of shards).
 Shapes: N samples, K classes.
 """
 
@@ -43,11 +48,13 @@ from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
 
-
-FLAT = 1e-3
 _ROUNDING = 8 * torch.finfo(torch.float32).eps
 """Relative change of :math:`J` below which its float32 sums cannot tell a decrease (the logits'
 per-row log-partitions carry float32 rounding); there the projected gradient decides a step."""
+
+_FLAT = 1e-3
+"""Classes whose bias moves less than this much of one sample's mass (:math:`N h_j`) are flat:
+they take diagonal steps (towards the bound), never a Newton step on the full Hessian."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,7 @@ def match_class_masses(
             return diagonal
         # classes moved by less than one sample's mass (N h_j < 1) are flat: their Newton
         # steps would be rounding noise, so they take diagonal steps towards the bound
-        free = ~blocked(b, gradient) & (sums.curvature >= FLAT)
+        free = ~blocked(b, gradient) & (sums.curvature >= _FLAT)
         newton = _newton_direction(sums, gradient, free) if bool(free.any()) else None
         if newton is None or not bool(newton.isfinite().all()) or float(newton @ gradient) <= 0:
             return diagonal  # no factorisation or not a descent direction (rounding)
@@ -246,7 +253,11 @@ def match_class_masses(
             continue
         slow = trial_norm > 0.5 * norm and step_size == 1.0
         b, objective, gradient, sums, norm = (
-            trial, trial_objective, trial_gradient, trial_sums, trial_norm,
+            trial,
+            trial_objective,
+            trial_gradient,
+            trial_sums,
+            trial_norm,
         )
         step_size = min(1.0, 2.0 * step_size)
         new = torch.softmax(b, 0)
