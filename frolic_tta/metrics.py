@@ -242,7 +242,6 @@ def update_row_metrics(
                     metric.update(logits, target)
 
 
-
 def exact_ratio(value: float, count: int) -> float:
     """A float32 ratio ``correct / count`` as the exact float64 ratio (``count < 2**23``)."""
     if count <= 0 or count >= 2**23:

@@ -132,14 +132,12 @@ class FrolicOptions:
             InMaP proxies for :math:`f_c` (labels from the text) and for :math:`f_g` (labels
             from the Gaussian head), at :math:`\tau_c` each: the released script.
         head_labels: the soft labels that weight the Gaussian head's class means
-            (``covariance="soft"``): ``"zero_shot"`` (default) the raw zero-shot posterior
-            (Eqs. 4-8 as written), or ``"debiased"``: the zero-shot posterior with its label
-            bias removed, :math:`\mathrm{softmax}(f_c/\tau_c - \ln\hat\beta_c)` matched to
-            the test prior, whose mixture then also estimates that prior
-            (:mod:`frolic_tta.prior`). ``"debiased"`` is more accurate on every generated world
-            but one (``docs/method.md``), but its matchings must be solved to rounding and do
-            not always converge on hard zero-shot posteriors, so it is not yet exact across
-            world sizes: opt in, not the default.
+            (``covariance="soft"``): ``"debiased"`` (default) the zero-shot posterior with its
+            label bias removed, :math:`\mathrm{softmax}(f_c/\tau_c - \ln\hat\beta_c)` matched
+            to the test prior, whose mixture then also estimates that prior
+            (:mod:`frolic_tta.prior`; its matchings are solved to :math:`10^{-6}`), or
+            ``"zero_shot"``: the raw zero-shot posterior (Eqs. 4-8 as written; the
+            paper's and the released script's). ``docs/method.md`` compares them.
         fusion: ``"matched"`` (default; :math:`\tau_g` by Eq. 11) or ``"fixed"``
             (:math:`\tau_g = \tau_c`, the released script's equal scales).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
@@ -171,7 +169,7 @@ class FrolicOptions:
     max_iter: int = 100
     prior_floor: float = 1e-30
     zero_shot: ZeroShot = "text"
-    head_labels: HeadLabels = "zero_shot"
+    head_labels: HeadLabels = "debiased"
     fusion: Fusion = "matched"
     inmap_gamma: float = 0.0
     inmap_tolerance: float | None = 1e-6

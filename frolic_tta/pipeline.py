@@ -187,6 +187,9 @@ def fit_frolic(
         )
         gaussian = estimate.head
         zero_shot_bias = estimate.bias if options.bias == "soft" else None
+        if zero_shot_bias is not None:
+            head_eps = min(options.eps, HEAD_LABELS_EPS)
+            warn_about_match(zero_shot_bias, k, options.max_iter, head_eps, ZERO_SHOT_BETA)
     elif debias_head:
         report("zero-shot prior")
         zero_shot_bias = match(

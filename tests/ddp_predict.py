@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frolic_tta import FrolicModule, FrolicPredictionWriter  # noqa: E402
 from frolic_tta.data import IndexedDataset  # noqa: E402
+from frolic_tta.options import FrolicOptions  # noqa: E402
 from tests.generated import CLASS_NAMES, GeneratedImages  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     pad = "pad" in flags
     online = "online" in flags
     nan = [int(f.split("=")[1]) for f in flags if f.startswith("nan=")]
+    labels = [f.split("=")[1] for f in flags if f.startswith("labels=")]
     torch.set_num_threads(1)
     dataset = IndexedDataset(GeneratedImages(int(n), nan_index=nan[0] if nan else None))
     module = FrolicModule(
@@ -35,6 +37,7 @@ def main() -> None:
         templates=["a photo of a {}."],
         ablations=True,
         online=online,
+        options=FrolicOptions(head_labels=labels[0]) if labels else FrolicOptions(),
     )
     trainer = L.Trainer(
         accelerator="cpu",

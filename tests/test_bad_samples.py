@@ -24,6 +24,7 @@ from frolic_tta.lightning.writer import concat_outputs, join_predictions
 from tests.generated import GeneratedImages
 from tests.test_cli import tiny_args
 from tests.test_module import (
+    RAW_LABELS,
     assert_logits_close,
     make_module,
     make_trainer,
@@ -42,7 +43,7 @@ def nan_loader(n: int, nan_index: int, batch: int = 8) -> DataLoader:
 
 
 def test_non_finite_features_skip_one_sample_and_the_rest_equals_frolic(tiny_clip):
-    module = make_module(tiny_clip)
+    module = make_module(tiny_clip, options=RAW_LABELS)  # re-encoded features: see RAW_LABELS
     with pytest.warns(UserWarning, match="Skipping sample 7: non-finite image features"):
         out = concat_outputs(make_trainer().predict(module, nan_loader(40, nan_index=7)))
     keep = torch.arange(40) != 7
@@ -50,7 +51,7 @@ def test_non_finite_features_skip_one_sample_and_the_rest_equals_frolic(tiny_cli
     assert int(out["prediction"][7]) == -1 and bool(torch.isnan(out["logits"][7]).all())
     assert bool(torch.isfinite(out["logits"][keep]).all())
     features, prototypes = reference(tiny_clip, 40)
-    expected = frolic_tta.frolic(features[keep], prototypes)
+    expected = frolic_tta.frolic(features[keep], prototypes, head_labels="zero_shot")
     assert_logits_close(out["logits"][keep], expected.logits)  # float32 noise of a NaN batch
     assert torch.equal(out["prediction"][keep], expected.logits.argmax(1))
     assert module.skipped_ == [{"index": 7, "reason": NON_FINITE}]
@@ -68,10 +69,10 @@ def test_non_finite_features_skip_one_sample_and_the_rest_equals_frolic(tiny_cli
 
 def test_two_processes_count_skipped_samples_like_one(tiny_clip, tmp_path):
     n, bad = 41, 5
-    single_module = make_module(tiny_clip)
+    single_module = make_module(tiny_clip, options=RAW_LABELS)  # see RAW_LABELS
     with pytest.warns(UserWarning, match="Skipping sample 5"):
         single = concat_outputs(make_trainer().predict(single_module, nan_loader(n, bad)))
-    result = run_ddp_script(tiny_clip, n, tmp_path, f"nan={bad}")
+    result = run_ddp_script(tiny_clip, n, tmp_path, f"nan={bad}", "labels=zero_shot")
     assert result.returncode == 0, result.stderr[-3000:]
     joined = join_predictions(tmp_path, dataset_length=n)
     assert joined["skipped"] == [{"index": bad, "reason": NON_FINITE}]

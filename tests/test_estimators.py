@@ -273,20 +273,46 @@ def test_bad_labels_and_tau():
         frolic_tta.match_temperature(logits, torch.randn(10, 4))
 
 
+def _numpy_head(x: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eqs. 4-8 in float64 numpy: class means and shared scatter under soft labels ``p``."""
+    means = (p.T @ x) / p.sum(0)[:, None]
+    scatter = sum(
+        p[:, j, None, None] * np.einsum("ni,nj->nij", x - means[j], x - means[j])
+        for j in range(p.shape[1])
+    ).sum(0) / len(x)
+    return means, scatter
+
+
+def test_numpy_reference_of_the_debiased_head():
+    """The default head: means and scatter under softmax(f_c / tau_c - ln beta_c + ln pi),
+    with the fit's own beta_c and test prior pi, whose class masses are pi (to 1e-6)."""
+    world = clip_world(num_samples=800, seed=5)
+    x, z = world.features.double(), world.prototypes.double()
+    result = frolic_tta.frolic(x, z, shrinkage="oas")
+    priors = result.priors
+    logits = (x @ z.T / 0.01 - priors.zero_shot_beta.log() + priors.test_prior.log()).numpy()
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    assert np.abs(p.mean(0) - priors.test_prior.numpy()).sum() < 1e-6
+    means, scatter = _numpy_head(x.numpy(), p)
+    rho = oas_shrinkage(torch.from_numpy(scatter), len(x))
+    shrunk = (1 - rho) * scatter + rho * np.trace(scatter) / x.shape[1] * np.eye(x.shape[1])
+    head = result.head.gaussian
+    torch.testing.assert_close(head.shared_covariance, torch.from_numpy(shrunk))
+    centred = np.linalg.solve(shrunk, (means - x.numpy().mean(0)).T).T
+    torch.testing.assert_close(head.weight, torch.from_numpy(centred), rtol=1e-7, atol=1e-7)
+
+
 def test_numpy_reference_of_head():
-    """The soft head against an independent float64 numpy implementation."""
+    """The paper's soft head (raw zero-shot labels) against an independent float64 numpy
+    implementation."""
     world = clip_world(num_samples=800, seed=5)
     x = world.features.double().numpy()
     z = world.prototypes.double().numpy()
     logits = x @ z.T / 0.01
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
-    n_j = p.sum(0)
-    means = (p.T @ x) / n_j[:, None]
-    scatter = sum(
-        p[:, j, None, None] * np.einsum("ni,nj->nij", x - means[j], x - means[j])
-        for j in range(len(z))
-    ).sum(0) / len(x)
+    means, scatter = _numpy_head(x, p)
     rho = oas_shrinkage(torch.from_numpy(scatter), len(x))
     shrunk = (1 - rho) * scatter + rho * np.trace(scatter) / x.shape[1] * np.eye(x.shape[1])
     center = x.mean(0)
@@ -294,7 +320,7 @@ def test_numpy_reference_of_head():
     eq9_weight = np.linalg.solve(shrunk, means.T).T
     eq9_bias = -0.5 * (means * eq9_weight).sum(1)
     head = frolic_tta.frolic(
-        world.features.double(), world.prototypes.double(), shrinkage="oas"
+        world.features.double(), world.prototypes.double(), shrinkage="oas", head_labels="zero_shot"
     ).head.gaussian
     torch.testing.assert_close(head.shared_covariance, torch.from_numpy(shrunk))
     torch.testing.assert_close(head.weight, torch.from_numpy(centred_weight), rtol=1e-7, atol=1e-7)

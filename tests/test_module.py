@@ -21,11 +21,21 @@ from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.data import IndexedDataset
 from frolic_tta.lightning.writer import concat_outputs
 from frolic_tta.metrics import ROW_METRICS
+from frolic_tta.options import FrolicOptions
 from frolic_tta.rows import ROWS
 from tests.generated import CLASS_NAMES, GeneratedImages
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ["a photo of a {}."]
+
+
+RAW_LABELS = FrolicOptions(head_labels="zero_shot")
+"""The raw-label head, for tests that compare runs whose features differ in float32 rounding
+(1 vs 2 processes batch the images differently). The random tiny CLIP puts almost every sample
+on one class with confidence ~1: there the default (debiased) head's tau_g, matched to a
+confidence near 1, turns that rounding into up to 1e-1 of the logit scale. With identical
+features the default is exact across processes (tests/test_sharded_core.py,
+tests/test_test_prior.py); the raw-label head is a function of float64 sums and keeps 1e-4."""
 
 
 def make_module(tiny_clip, **kwargs) -> FrolicModule:
@@ -131,10 +141,11 @@ def test_exported_head_reproduces_and_scores_new_data(tiny_clip, single_101, tmp
     module, out, _ = single_101
     features, _ = reference(tiny_clip, 101)
     layer = module.adapted_classifier()
-    torch.testing.assert_close(layer(features), out["logits"], rtol=1e-5, atol=1e-4)
+    scale = float(out["logits"].abs().max())  # float32 logits: rounding relative to the scale
+    torch.testing.assert_close(layer(features), out["logits"], rtol=1e-5, atol=1e-5 * scale)
     plain = module.head.to_linear(torch.float64)  # the same map as one nn.Linear: A x + c
     torch.testing.assert_close(
-        plain(features.double()).float(), out["logits"], rtol=1e-5, atol=1e-4
+        plain(features.double()).float(), out["logits"], rtol=1e-5, atol=1e-5 * scale
     )
     # checkpoint round trip, then score new data with the stored head (no re-adaptation)
     fresh = make_module(tiny_clip)
@@ -222,9 +233,9 @@ def run_ddp_script(tiny_clip, n: int, out_dir: Path, *extra: str) -> subprocess.
 
 @pytest.mark.parametrize("n", [101, 17])
 def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
-    single_module = make_module(tiny_clip)
+    single_module = make_module(tiny_clip, options=RAW_LABELS)
     single = concat_outputs(make_trainer().predict(single_module, loader(n)))
-    result = run_ddp_script(tiny_clip, n, tmp_path)
+    result = run_ddp_script(tiny_clip, n, tmp_path, "labels=zero_shot")
     assert result.returncode == 0, result.stderr[-3000:]
     joined = join_predictions(tmp_path, dataset_length=n)  # every index exactly once
     assert len(list(tmp_path.glob("predictions_rank*.pt"))) == 2
@@ -235,7 +246,10 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path, n):
     torch.testing.assert_close(summary["beta"], single_module.head.beta, rtol=0, atol=1e-4)
     torch.testing.assert_close(  # the test prior is reduced over ranks like the rest; it
         # is estimated from the features, so it moves with them like beta (assert_logits_close)
-        summary["head"]["test_prior"], single_module.head.test_prior, rtol=0, atol=1e-4
+        summary["head"]["test_prior"],
+        single_module.head.test_prior,
+        rtol=0,
+        atol=1e-4,
     )
     scores = {k: v for k, v in single_module.metrics_.items() if k.split("/")[0] in ROW_METRICS}
     assert len(scores) == len(ROWS) * 5  # top-1, top-5, recall, ECE, NLL of every row

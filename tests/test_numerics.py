@@ -137,8 +137,10 @@ def test_one_sample_with_reduce_fn_checks_the_global_count():
     # one sample on a shard is fine when the others hold more
     whole = frolic_tta.frolic(features[:40], prototypes)
     shards = run_sharded(run, [features[:1], features[1:40]])
-    assert shards[0].tau_g == pytest.approx(whole.tau_g, rel=1e-6)
-    torch.testing.assert_close(torch.cat([s.logits for s in shards]), whole.logits)
+    assert shards[0].tau_g == pytest.approx(whole.tau_g, rel=1e-5)  # matchings solved to 1e-6
+    scale = float(whole.logits.abs().max())
+    logits = torch.cat([s.logits for s in shards])
+    torch.testing.assert_close(logits, whole.logits, rtol=0, atol=1e-5 * scale)
 
 
 def test_inputs_that_require_grad_give_outputs_that_do_not():
@@ -172,7 +174,8 @@ def test_non_unit_rows_need_an_explicit_normalize():
         frolic_tta.frolic(features, prototypes, normalize="yes")
     normalised = frolic_tta.frolic(raw, 2 * prototypes, normalize=True)
     unit = frolic_tta.frolic(features, prototypes)
-    torch.testing.assert_close(normalised.logits, unit.logits, rtol=1e-5, atol=1e-4)
+    scale = float(unit.logits.abs().max())  # float32 rounding of the normalised rows
+    torch.testing.assert_close(normalised.logits, unit.logits, rtol=1e-5, atol=1e-5 * scale)
     as_is = frolic_tta.frolic(raw, prototypes, normalize=False)
     torch.testing.assert_close(as_is.features, raw)
     # float16 rounding of unit rows is within the (dtype-aware) tolerance

@@ -17,14 +17,16 @@ from tests.test_cli import tiny_args
 from tests.test_module import loader, make_module, make_trainer, run_ddp_script
 
 
-def assert_head_equals_fit(head, features, atol: float = 1e-6) -> None:
+def assert_head_equals_fit(head, features, atol: float = 1e-6, head_atol: float = 1e-6) -> None:
     """``head`` is fit_frolic on ``features`` (its own prototypes and tau_c) to ``atol``."""
     ref = fit_frolic(features, head.prototypes.float(), tau_c=head.tau_c).head
     assert head.tau_g == pytest.approx(ref.tau_g, abs=atol)
     torch.testing.assert_close(head.beta, ref.beta, rtol=0, atol=atol)
     torch.testing.assert_close(head.test_prior, ref.test_prior, rtol=0, atol=atol)
     scale = float(ref.gaussian.weight.abs().max())
-    torch.testing.assert_close(head.gaussian.weight, ref.gaussian.weight, rtol=0, atol=atol * scale)
+    torch.testing.assert_close(
+        head.gaussian.weight, ref.gaussian.weight, rtol=0, atol=head_atol * scale
+    )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -72,7 +74,8 @@ def test_two_process_ddp_uneven_ends_in_the_single_process_fit(tiny_clip, tmp_pa
     assert ranks[0]["online"]["steps"] == 2 and ranks[0]["online"]["seen"] == 17
     features = torch.cat([r["features"] for r in ranks])
     for rank in ranks:  # every rank's state is fit_frolic on all features in one process
-        assert_head_equals_fit(rank["head"], features)
+        # 17 samples: the head's labels come from matchings solved to 1e-6 in class mass
+        assert_head_equals_fit(rank["head"], features, head_atol=3e-5)
     joined = join_predictions(tmp_path, dataset_length=17)
     assert (joined["online_prediction"] >= 0).all()
     assert joined["online_seen"].unique().tolist() == [16, 17]  # step 0: 8 + 8, step 1: + 1

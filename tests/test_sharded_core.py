@@ -57,8 +57,12 @@ def test_threads_sharded_equals_whole(world, covariance, bias):
     for result in results:
         assert result.tau_g == pytest.approx(whole.tau_g, rel=1e-6, abs=1e-9)
         torch.testing.assert_close(result.beta, whole.beta, rtol=0, atol=1e-6)
+        # the paper's head is a function of the float64 moment sums alone (exact to 1e-9); the
+        # default's labels are debiased by matchings solved to 1e-6 (measured: 5e-6 of scale)
+        scale = float(whole.head.gaussian.weight.abs().max())
+        tight = 1e-9 if covariance == "paper" else 2e-5 * scale
         torch.testing.assert_close(
-            result.head.gaussian.weight, whole.head.gaussian.weight, rtol=1e-9, atol=1e-9
+            result.head.gaussian.weight, whole.head.gaussian.weight, rtol=1e-9, atol=tight
         )
     torch.testing.assert_close(
         torch.cat([r.logits for r in results]), whole.logits, rtol=1e-5, atol=1e-4
