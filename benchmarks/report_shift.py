@@ -34,9 +34,11 @@ def label_shift_section(p: dict[str, Any] | None) -> str:
     if p is None:
         return "not measured yet: `python benchmarks/label_shift.py`"
     worlds = p["worlds"]
-    candidates = [c for c in p["candidates"] if c not in ("default", "balanced (previous default)")]
-    headers = ["world", "f_c", "f_f", "previous default (balanced)", "**default f_d**"]
-    headers += ["known prior (oracle)", "f_d − max(f_c, f_f)", *candidates, "supervised LDA"]
+    previous = p.get("previous", "balanced (previous default)")
+    candidates = [c for c in p["candidates"] if c not in ("default", previous)]
+    headers = ["world", "f_c", "f_f", "f_c − ln β̂", previous, "**default f_d**"]
+    headers += ["known prior (oracle)", "f_d − max(f_c, f_f)", "f_d − max(f_c, f_c − ln β̂, f_f)"]
+    headers += [*candidates, "supervised LDA"]
     rows = []
     for name, w in worlds.items():
         r = w["rows"]
@@ -45,10 +47,12 @@ def label_shift_section(p: dict[str, Any] | None) -> str:
                 f"{name} ({w['seeds']} seed{'s' if w['seeds'] > 1 else ''})",
                 fmt(_mean(r["f_c"])),
                 fmt(_mean(r["f_f"])),
-                fmt(_mean(w["f_d"]["balanced (previous default)"])),
+                fmt(_mean(r.get("f_c - ln beta"))),
+                fmt(_mean(w["f_d"][previous])),
                 f"**{fmt(_mean(r['f_d']))}**",
                 fmt(_mean(r.get("oracle"))),
                 _pt(_mean(w["margin"])) + " pt",
+                _pt(_mean(w.get("fusion_margin"))) + " pt" if "fusion_margin" in w else "–",
                 *[fmt(_mean(w["f_d"][c])) for c in candidates],
                 fmt(_mean(w["lda"])),
             ]
@@ -70,16 +74,18 @@ def label_shift_section(p: dict[str, Any] | None) -> str:
                 fmt(_mean(w.get("zero_shot_beta_l1"))),
                 fmt(_mean(w.get("beta_l1"))),
                 fmt(_mean(w["seconds"]["default"])),
-                fmt(_mean(w["seconds"]["balanced (previous default)"])),
+                fmt(_mean(w["seconds"][previous])),
             ]
         )
     priors = markdown_table(headers, rows)
     worst = min(_mean(w["margin"]) for w in worlds.values())
+    fusion = [_mean(w["fusion_margin"]) for w in worlds.values() if "fusion_margin" in w]
+    fused = f" Over max(f_c, f_c − ln β̂, f_f): {_pt(min(fusion))} pt." if fusion else ""
     return "\n".join(
         [
             accuracy,
             "",
-            f"Smallest margin of the default over max(f_c, f_f): {_pt(worst)} pt.",
+            f"Smallest margin of the default over max(f_c, f_f): {_pt(worst)} pt.{fused}",
             "",
             priors,
             "",

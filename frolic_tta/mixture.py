@@ -63,6 +63,7 @@ def mixture_weights(
     tol: float = 1e-9,
     max_passes: int = 500,
     reduce_fn: ReduceFn | None = None,
+    below: float | None = None,
 ) -> tuple[Tensor, float, int, bool]:
     r"""Maximum-likelihood mixture weights for fixed component log-likelihoods.
 
@@ -77,6 +78,12 @@ def mixture_weights(
         tol: stop when an EM step moves :math:`\pi` by less than ``tol`` in L1.
         max_passes: cap on passes (each one reduction).
         reduce_fn: sums a tensor over shards.
+        below: stop as soon as :math:`\Lambda \le` ``below`` is certain: :math:`\ell` is
+            concave, so at any :math:`\pi` its Frank-Wolfe gap bounds what is left,
+            :math:`\ell(\hat\pi) - \ell(\pi) \le \max_j \partial_j\ell - \pi^\top\nabla\ell
+            = \max_j \frac{\sum_i r_{ij}}{\pi_j} - N` (:math:`r` the responsibilities); the
+            weights and :math:`\Lambda` returned are then those of that :math:`\pi` (a lower
+            bound), and ``converged`` is true: the decision they feed is exact.
 
     Returns:
         ``(pi (K,), Lambda, passes, converged)`` with :math:`\Lambda = 2(\ell(\hat\pi) -
@@ -93,10 +100,19 @@ def mixture_weights(
         new = sums.responsibility / sums.count
         return new / new.sum(), sums
 
+    def certain(at: _MixtureSums, prior: Tensor) -> bool:
+        if below is None:
+            return False
+        gap = float((at.responsibility / prior.clamp(min=tiny)).max() - at.count)
+        return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap) <= below
+
     passes, converged = 0, False
     first, at_pi = step(pi)
     passes += 1
     while passes < max_passes:
+        if certain(at_pi, pi):
+            converged = True
+            break
         if float((first - pi).abs().sum()) < tol:
             pi, converged = first, True
             break

@@ -10,13 +10,13 @@ mixture with a shared covariance,
 a model of the *images* that the text side's pre-training prior :math:`\beta` does not enter,
 so its mixture weights estimate :math:`\pi` without any assumption on :math:`\beta`.
 
-**Which mixture.** With ``head_labels="debiased"`` (opt in) the mixture is the Gaussian head
+**Which mixture.** With ``head_labels="debiased"`` (the default) the mixture is the Gaussian head
 itself: its means and shared covariance are the soft scatter (:mod:`frolic_tta.gda`) under the
 *debiased zero-shot* posterior :math:`q_i = \mathrm{softmax}(f_c(x_i)/\tau_c - \ln\hat\beta_c)`,
 whose class masses are matched to the current prior (:mod:`frolic_tta.matching`), so the text
 bias no longer pulls the small classes' means towards the large ones. The same fit gives the
 test prior (its weights, below) and :math:`f_g` (its logits). With the paper's raw zero-shot
-head (``head_labels="zero_shot"``, the default) the mixture is refitted under the debiased
+head (``head_labels="zero_shot"``, Eqs. 4-8) the mixture is refitted under the debiased
 *fused* posterior :math:`\mathrm{softmax}(f_f - \ln\hat\beta)` instead. Either way ``source``
 names the logits whose debiased posterior weights the mixture.
 
@@ -177,7 +177,9 @@ def estimate_test_prior(
 
     fitted: list[GaussianHead] = []  # the last mixture refitted
 
-    def weights(bias: MassMatch, init: Tensor | None) -> tuple[Tensor, float, int, bool]:
+    def weights(
+        bias: MassMatch, init: Tensor | None, below: float | None = None
+    ) -> tuple[Tensor, float, int, bool]:
         """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
         packed = reduce_fn(posterior_sums(source, bias.log_offset, features))
         refit = refitted_sums(sums, packed)
@@ -186,14 +188,18 @@ def estimate_test_prior(
         components: LogitSource = head.affine().source(features, chunk_size)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
-        raw, ratio, inner, done = mixture_weights(components, init, tol=tol, reduce_fn=reduce_fn)
+        raw, ratio, inner, done = mixture_weights(
+            components, init, tol=tol, reduce_fn=reduce_fn, below=below
+        )
         return raw, ratio, 1 + inner + (buffer is not None), done
 
     # the balanced matching is the refit's starting posterior: a short cap (an imbalanced test
     # set keeps it from converging, and only its posterior is used), finished below if final
     bias = match(uniform, cap=min(match_max_iter, start_passes or START_PASSES))
     try:
-        raw, ratio, passes, converged = weights(bias, None)
+        # the balanced refit only decides whether w = 0 (Lambda <= c (K - 1)): its weights stop
+        # as soon as that is certain
+        raw, ratio, passes, converged = weights(bias, None, evidence * (k - 1) or None)
     except (ValueError, torch.linalg.LinAlgError) as error:  # identical on every shard
         warnings.warn(
             f"the test prior cannot be estimated on these features ({error}); the test set is "

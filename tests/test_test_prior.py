@@ -71,6 +71,25 @@ def test_mixture_weights_match_a_float64_reference_and_recover_known_weights():
     assert ratio == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("truth", [[0.25] * 4, [0.4, 0.3, 0.2, 0.1]])
+def test_mixture_weights_certify_a_small_ratio_early_and_never_wrongly(truth):
+    """``below``: stop once the Frank-Wolfe gap proves Lambda <= below; never when it is not."""
+    g = torch.Generator().manual_seed(1)
+    labels = torch.multinomial(torch.tensor(truth), 4000, replacement=True, generator=g)
+    centres = torch.tensor([-1.5, -0.5, 0.5, 1.5], dtype=torch.float64)
+    x = centres[labels] + torch.randn(4000, generator=g, dtype=torch.float64)
+    source = TensorLogits((-0.5 * (x[:, None] - centres[None, :]) ** 2).float(), 1000)
+    full_pi, full, full_passes, _ = mixture_weights(source, tol=1e-10)
+    below = 1.5 * 3  # evidence 1.5 (K - 1): balanced data stay below, imbalanced do not
+    pi, ratio, passes, converged = mixture_weights(source, tol=1e-10, below=below)
+    assert converged
+    if full <= below:  # certified: fewer passes, a lower bound of the same decision
+        assert passes < full_passes and ratio <= full + 1e-6
+    else:  # not certifiable: the full solve
+        assert passes == full_passes and ratio == full and torch.equal(pi, full_pi)
+    assert (full <= below) == (truth[0] == 0.25)
+
+
 def test_the_default_converges_and_says_so(world, reference):
     x, z, y = world
     priors = reference.priors
