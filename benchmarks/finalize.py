@@ -67,8 +67,9 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
         case("sweep, K = 100", 10_000, 100, 512),
         case("sweep, K = 1,000", 10_000, 1_000, 512),
         case("ImageNet, ViT-B-16", 50_000, 1_000, 512),
+        case("ImageNet, ViT-B-16, balanced test prior", 50_000, 1_000, 512, "ours-balanced"),
         case(
-            "ImageNet, ViT-B-16, balanced (previous default)", 50_000, 1_000, 512, "ours-balanced"
+            "ImageNet, ViT-B-16, raw head labels (previous default)", 50_000, 1_000, 512, "ours-raw"
         ),
         case("ImageNet, ViT-B-16, paper options", 50_000, 1_000, 512, "ours-paper"),
         case("ImageNet, ViT-B-16, float64 reference", 50_000, 1_000, 512, "reference"),
@@ -97,6 +98,7 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
     options = {
         "ours-paper": paper_options(),
         "ours-balanced": FrolicOptions(test_prior="uniform"),
+        "ours-raw": FrolicOptions(head_labels="zero_shot"),
     }.get(case["mode"], FrolicOptions())
     sums = None
     if case["mode"] != "ours-nosums":  # the module: one update per encoded batch

@@ -39,13 +39,15 @@ from frolic_tta.rows import ROWS
 
 OPTION_SETS: dict[str, tuple[float | str, FrolicOptions]] = {
     "default (τ_c from model)": ("model", FrolicOptions()),
-    "previous default (balanced)": ("model", FrolicOptions(test_prior="uniform")),
+    "previous default (raw head labels)": ("model", FrolicOptions(head_labels="zero_shot")),
+    "balanced test prior": ("model", FrolicOptions(test_prior="uniform")),
     "paper options, τ_c 0.01": (0.01, paper_options()),
     "default, τ_c 0.01": (0.01, FrolicOptions()),
 }
-r"""Label -> the module's ``(tau_c, options)``: the default, the previous default (a
-balanced test set), the paper's equations (Eq. 7, Algorithm 2, balanced) at the paper's
-:math:`\tau_c` = 0.01, and the default at that :math:`\tau_c`."""
+r"""Label -> the module's ``(tau_c, options)``: the default, the previous default (the head
+under the raw zero-shot posterior, Eqs. 4-8), a balanced test set, the paper's equations
+(Eq. 7, Algorithm 2, balanced) at the paper's :math:`\tau_c` = 0.01, and the default at that
+:math:`\tau_c`."""
 TABLE_ROWS = ["f_c", "f_g", "f_f", "f_d", "f_d balanced", "oracle"]
 """Rows shown as table columns (every row's accuracy is in the JSON)."""
 IMBALANCE = 20.0

@@ -1,0 +1,79 @@
+"""Class-mass matching (frolic_tta.matching): converges to 1e-6 where the diagonal steps crawl,
+lands on the same fixed point on any number of shards, and steps towards the bound in flat
+directions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frolic_tta.logits import TensorLogits
+from frolic_tta.matching import match_class_masses
+from frolic_tta.synthetic import clip_like_world
+from tests.sharding import run_sharded
+
+
+def confident_logits() -> torch.Tensor:
+    """label_shift.py's over-confident world: clip_like_world scored at tau_c = 0.002."""
+    world = clip_like_world(20_000, 50, 128, seed=7)
+    return (world.features @ world.prototypes.T / 0.002).float()
+
+
+def test_hard_posteriors_converge_to_1e_6_in_few_passes():
+    logits = confident_logits()
+    match = match_class_masses(TensorLogits(logits, None), eps=1e-6, max_iter=100)
+    assert match.converged and match.evaluations <= 30  # measured: 13
+    assert match.mass_error < 1e-6
+    debiased = torch.softmax(logits.double() + match.log_offset, 1).mean(0)
+    assert float((debiased - 0.02).abs().sum()) < 1e-6  # the class masses are uniform
+
+
+def test_two_and_three_shards_land_on_the_single_process_fixed_point():
+    logits = confident_logits()
+    whole = match_class_masses(TensorLogits(logits, None), eps=1e-6)
+    for cuts in ([7_000], [3_001, 12_345]):
+        parts = list(torch.tensor_split(logits, cuts))
+
+        def run(part, reduce_fn):
+            return match_class_masses(TensorLogits(part, 4096), eps=1e-6, reduce_fn=reduce_fn)
+
+        for sharded in run_sharded(run, parts):
+            assert sharded.converged
+            # the offsets added to logits of scale ~500 agree to 1e-4 (beta to 1e-5 relative
+            # where it is not tiny): the same fixed point, not the same stopping point
+            torch.testing.assert_close(sharded.log_offset, whole.log_offset, rtol=0, atol=1e-4)
+
+
+def shared_and_alone(alone: int) -> torch.Tensor:
+    """60 samples shared by classes 0 and 1 (random margins) and ``alone`` samples that only
+    class 2 can take: class 2's posteriors are exactly 0 or 1, so it shares no sample with
+    classes 0 and 1, and their Hessian block is singular along (1, 1)."""
+    g = torch.Generator().manual_seed(0)
+    margin = torch.randn(60, generator=g, dtype=torch.float64)
+    shared = torch.stack([margin, -margin, torch.full_like(margin, -200.0)], 1)
+    rest = torch.tensor([[-200.0, -200.0, 0.0]], dtype=torch.float64).repeat(alone, 1)
+    return torch.cat([shared, rest]).float()
+
+
+def test_a_group_that_shares_no_sample_is_matched_within_itself():
+    logits = shared_and_alone(30)  # class 2 holds exactly its third: 0 and 1 split the rest
+    match = match_class_masses(TensorLogits(logits, None), eps=1e-6, bound=5.0)
+    assert match.converged and match.evaluations < 40
+    debiased = torch.softmax(logits.double() + match.log_offset, 1).mean(0)
+    assert float((debiased - 1 / 3).abs().sum()) < 1e-6
+
+
+def test_a_flat_direction_steps_to_the_bound_and_shards_agree():
+    logits = shared_and_alone(20)  # class 2 can never reach its third: J is linear along it
+    whole = match_class_masses(TensorLogits(logits, None), eps=1e-6, bound=5.0)
+    assert whole.converged and whole.evaluations < 40
+    assert bool(whole.undetermined.all())  # the KKT point: every class at the bound
+    assert float(whole.log_offset.max() - whole.log_offset.min()) == pytest.approx(10.0)
+
+    def run(part, reduce_fn):
+        return match_class_masses(
+            TensorLogits(part, None), eps=1e-6, bound=5.0, reduce_fn=reduce_fn
+        )
+
+    for sharded in run_sharded(run, [logits[::2], logits[1::2]]):
+        torch.testing.assert_close(sharded.log_offset, whole.log_offset, rtol=0, atol=1e-6)
