@@ -52,6 +52,10 @@ _ROUNDING = 8 * torch.finfo(torch.float32).eps
 """Relative change of :math:`J` below which its float32 sums cannot tell a decrease (the logits'
 per-row log-partitions carry float32 rounding); there the projected gradient decides a step."""
 
+_FULL_HESSIAN_MAX_CLASSES = 4096
+"""Above this K the matching keeps its diagonal steps (a K x K float64 Hessian would hold
+more than 128 MiB and its eigendecomposition take seconds per step)."""
+
 _FLAT = 1e-3
 """Classes whose bias moves less than this much of one sample's mass (:math:`N h_j`) are flat:
 they take diagonal steps (towards the bound), never a Newton step on the full Hessian."""
@@ -212,15 +216,17 @@ def match_class_masses(
     def projected(b: Tensor, gradient: Tensor) -> Tensor:
         return torch.where(blocked(b, gradient), torch.zeros_like(gradient), gradient)
 
-    def search_direction(b: Tensor, gradient: Tensor, sums: _MassSums) -> Tensor:
+    def search_direction(
+        b: Tensor, gradient: Tensor, sums: _MassSums, hessian: _MassSums | None
+    ) -> Tensor:
         diagonal = gradient * sums.count / sums.curvature.clamp(min=1e-12 * float(sums.count))
         diagonal = torch.where(blocked(b, gradient), 0.0, diagonal.clamp(-10.0, 10.0))
-        if sums.outer is None:
+        if hessian is None:
             return diagonal
         # classes moved by less than one sample's mass (N h_j < 1) are flat: their Newton
         # steps would be rounding noise, so they take diagonal steps towards the bound
         free = ~blocked(b, gradient) & (sums.curvature >= _FLAT)
-        newton = _newton_direction(sums, gradient, free) if bool(free.any()) else None
+        newton = _newton_direction(hessian, gradient, free) if bool(free.any()) else None
         if newton is None or not bool(newton.isfinite().all()) or float(newton @ gradient) <= 0:
             return diagonal  # no factorisation or not a descent direction (rounding)
         newton = newton * min(1.0, 10.0 / float(newton.abs().max().clamp(min=1e-300)))
@@ -230,15 +236,18 @@ def match_class_masses(
     if init is not None:  # ln beta with the gauge fixed at mean 0, inside the box
         log_init = torch.log(init.to(torch.float64).cpu())
         b = (log_init - log_init.mean()).clamp(-box, box)
-    full = False  # the diagonal Newton steps, until they stop halving the gradient
-    objective, gradient, sums = evaluate(b, full)
+    # the diagonal Newton steps, until they stop halving the gradient; then the full Hessian
+    # of the last point where it was summed, summed again when its steps stop halving it too
+    hessian: _MassSums | None = None
+    refresh = False
+    objective, gradient, sums = evaluate(b, False)
     norm = float(projected(b, gradient).abs().sum())
     beta = torch.softmax(b, 0)
     step_size, evaluations, converged = 1.0, 1, False
     while evaluations < max_iter:
-        direction = search_direction(b, gradient, sums)
+        direction = search_direction(b, gradient, sums, hessian)
         trial = (b - step_size * direction).clamp(-box, box)
-        trial_objective, trial_gradient, trial_sums = evaluate(trial, full)
+        trial_objective, trial_gradient, trial_sums = evaluate(trial, refresh)
         evaluations += 1
         decrease = 1e-4 * float((gradient * (b - trial)).sum())  # Armijo, <= 0
         trial_norm = float(projected(trial, trial_gradient).abs().sum())
@@ -251,7 +260,8 @@ def match_class_masses(
         if not accept and step_size > 1e-6:
             step_size *= 0.5  # reject: retry a shorter step from the same point
             continue
-        slow = trial_norm > 0.5 * norm and step_size == 1.0
+        halved = trial_norm <= 0.5 * norm
+        slow = not halved and step_size == 1.0
         b, objective, gradient, sums, norm = (
             trial,
             trial_objective,
@@ -266,11 +276,15 @@ def match_class_masses(
         if change < eps and norm < eps or change == 0.0:
             converged = True
             break
-        if slow and not full and evaluations < max_iter:
+        if sums.outer is not None:
+            hessian, refresh = sums, False
+        if not halved and hessian is not None:
+            refresh = True  # the Hessian in use is stale: sum it again at the next point
+        elif slow and k <= _FULL_HESSIAN_MAX_CLASSES and evaluations < max_iter:
             # classes coupled through shared samples (hard posteriors): the diagonal steps
             # converge linearly there; Newton steps on the full K x K Hessian from here on
-            full = True
-            objective, gradient, sums = evaluate(b, full)
+            objective, gradient, sums = evaluate(b, True)
+            hessian = sums
             evaluations += 1
     curvature = sums.curvature / sums.count
     n = float(sums.count)

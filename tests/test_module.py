@@ -332,8 +332,11 @@ def test_forward_gives_the_adapted_logits_or_says_why_not(tiny_clip, single_101)
     with pytest.raises(RuntimeError, match="no adapted head yet: run trainer.predict"):
         fresh(images)
     module, out, _ = single_101
+    # 8 images in one batch: encoder features differ in float32 rounding from the predict run's
+    # batches, which the default head amplifies in this random model (RAW_LABELS)
+    scale = float(out["logits"][:8].abs().max())
     with torch.no_grad():
-        torch.testing.assert_close(module(images), out["logits"][:8], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(module(images), out["logits"][:8], rtol=0, atol=5e-5 * scale)
 
 
 def test_accuracies_are_exact_ratios(single_101):
