@@ -239,7 +239,7 @@ def match_class_masses(
     # the diagonal Newton steps, until they stop halving the gradient; then the full Hessian
     # of the last point where it was summed, summed again when its steps stop halving it too
     hessian: _MassSums | None = None
-    refresh = False
+    refresh, slow_steps = False, 0
     objective, gradient, sums = evaluate(b, False)
     norm = float(projected(b, gradient).abs().sum())
     beta = torch.softmax(b, 0)
@@ -261,7 +261,7 @@ def match_class_masses(
             step_size *= 0.5  # reject: retry a shorter step from the same point
             continue
         halved = trial_norm <= 0.5 * norm
-        slow = not halved and step_size == 1.0
+        slow_steps = slow_steps + 1 if not halved and step_size == 1.0 else 0
         b, objective, gradient, sums, norm = (
             trial,
             trial_objective,
@@ -280,7 +280,7 @@ def match_class_masses(
             hessian, refresh = sums, False
         if not halved and hessian is not None:
             refresh = True  # the Hessian in use is stale: sum it again at the next point
-        elif slow and k <= _FULL_HESSIAN_MAX_CLASSES and evaluations < max_iter:
+        elif slow_steps >= 2 and k <= _FULL_HESSIAN_MAX_CLASSES and evaluations < max_iter:
             # classes coupled through shared samples (hard posteriors): the diagonal steps
             # converge linearly there; Newton steps on the full K x K Hessian from here on
             objective, gradient, sums = evaluate(b, True)
