@@ -46,16 +46,10 @@ from torch import Tensor
 
 from frolic_tta.errors import warn
 from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
-from frolic_tta.matching import MassMatch, match_class_masses
+from frolic_tta.matching import MassMatch, floored, match_class_masses
 from frolic_tta.options import BIAS_METHODS, BiasMethod, check_choice, check_positive
 from frolic_tta.released import released_label_bias
 from frolic_tta.validation import check_shards_together
-
-
-def _floor(beta: Tensor, prior_floor: float) -> Tensor:
-    k = beta.shape[0]
-    beta = torch.clamp(beta, min=prior_floor / k)
-    return beta / beta.sum()
 
 
 def _implicit(source: LogitSource, reduce_fn: ReduceFn) -> Tensor:
@@ -190,30 +184,80 @@ def fit_label_bias(
     if labels is not None:  # the Oracle: masses equal to the true label frequencies
         labels = check_labels(labels, source.num_samples, k)
         target = label_frequencies(labels, k, reduce_fn)
-        method = "soft"
-    if method == "none":
-        return _uniform_result(uniform, target, True, 0)
-    if method == "implicit":
-        return _uniform_result(_floor(_implicit(source, reduce_fn), prior_floor), target, True, 1)
-    if method == "released":  # the authors' script: its own floor, no stopping test
-        beta = released_label_bias(source, rounds=max_iter, eps=eps, reduce_fn=reduce_fn)
-        return _uniform_result(beta, target, True, max_iter)
-    if method == "soft":
-        result = match_class_masses(
-            source,
-            target,
-            bound=bound,
-            eps=eps,
-            max_iter=max_iter,
-            prior_floor=prior_floor,
-            reduce_fn=reduce_fn,
-        )
-        warn_about_match(result, k, max_iter, eps, name)
-        return result
-    beta = uniform
+    solve = _SOLVERS["soft" if labels is not None else method]
+    limits = {"eps": eps, "max_iter": max_iter, "prior_floor": prior_floor}
+    return solve(source, target, bound=bound, reduce_fn=reduce_fn, name=name, **limits)
+
+
+def _solve_none(source: LogitSource, target: Tensor, **_: object) -> MassMatch:
+    r"""``"none"``: a uniform :math:`\hat\beta` (no debiasing)."""
+    k = source.num_classes
+    return _uniform_result(torch.full((k,), 1.0 / k, dtype=torch.float64), target, True, 0)
+
+
+def _solve_implicit(
+    source: LogitSource, target: Tensor, *, prior_floor: float, reduce_fn: ReduceFn, **_: object
+) -> MassMatch:
+    """``"implicit"``: the mean posterior (Eq. 15 on test data)."""
+    beta = floored(_implicit(source, reduce_fn), prior_floor)
+    return _uniform_result(beta, target, True, 1)
+
+
+def _solve_released(
+    source: LogitSource,
+    target: Tensor,
+    *,
+    eps: float,
+    max_iter: int,
+    reduce_fn: ReduceFn,
+    **_: object,
+) -> MassMatch:
+    """``"released"``: the authors' script (its own floor, no stopping test)."""
+    beta = released_label_bias(source, rounds=max_iter, eps=eps, reduce_fn=reduce_fn)
+    return _uniform_result(beta, target, True, max_iter)
+
+
+def _solve_soft(
+    source: LogitSource,
+    target: Tensor,
+    *,
+    bound: float | None,
+    eps: float,
+    max_iter: int,
+    prior_floor: float,
+    reduce_fn: ReduceFn,
+    name: str,
+) -> MassMatch:
+    """``"soft"`` and the Oracle: the debiased class masses matched to ``target``."""
+    result = match_class_masses(
+        source,
+        target,
+        bound=bound,
+        eps=eps,
+        max_iter=max_iter,
+        prior_floor=prior_floor,
+        reduce_fn=reduce_fn,
+    )
+    warn_about_match(result, source.num_classes, max_iter, eps, name)
+    return result
+
+
+def _solve_paper(
+    source: LogitSource,
+    target: Tensor,
+    *,
+    eps: float,
+    max_iter: int,
+    prior_floor: float,
+    reduce_fn: ReduceFn,
+    **_: object,
+) -> MassMatch:
+    """``"paper"``: Algorithm 2 as written (hard labels, power iteration, outer loop)."""
+    k = source.num_classes
+    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
     for passes in range(1, max_iter + 1):
         matrix = _hard_class_matrix(source, torch.log(beta), reduce_fn)
-        new = _floor(power_iteration(matrix, eps), prior_floor)
+        new = floored(power_iteration(matrix, eps), prior_floor)
         change = float((new - beta).abs().sum())
         beta = new
         if change < eps:  # Algorithm 2, line 9
@@ -223,6 +267,17 @@ def fit_label_bias(
         f"before reaching eps={eps} (last ||beta^t - beta^(t-1)||_1 = {change:.3g})",
     )
     return _uniform_result(beta, target, False, max_iter)
+
+
+_SOLVERS = {
+    "none": _solve_none,
+    "implicit": _solve_implicit,
+    "released": _solve_released,
+    "soft": _solve_soft,
+    "paper": _solve_paper,
+}
+"""One private solver per ``method`` behind :func:`fit_label_bias`, the one entry point (as
+scikit-learn's ``LinearDiscriminantAnalysis`` hands each solver to ``_solve_*``)."""
 
 
 FUSED_BETA = "beta-hat of f_f (the label bias that f_d removes)"

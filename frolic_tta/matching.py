@@ -48,6 +48,15 @@ from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
 
+
+def floored(prior: Tensor, prior_floor: float) -> Tensor:
+    r"""``prior`` (K,) with every entry at least ``prior_floor`` / K, renormalised (float64, CPU):
+    the one floor of every prior in the package (:math:`\hat\beta`, :math:`\tilde\pi`), so
+    its log is finite and no class becomes an absorbing state."""
+    prior = prior.to(torch.float64).cpu().clamp(min=prior_floor / prior.shape[0])
+    return prior / prior.sum()
+
+
 _ROUNDING = 8 * torch.finfo(torch.float32).eps
 """Relative change of :math:`J` below which its float32 sums cannot tell a decrease (the logits'
 per-row log-partitions carry float32 rounding); there the projected gradient decides a step."""
@@ -289,8 +298,7 @@ def match_class_masses(
     curvature = sums.curvature / sums.count
     n = float(sums.count)
     at_bound = (b.abs() >= box * (1 - 1e-9)) & (projected(b, gradient) != gradient)
-    beta = torch.clamp(beta, min=prior_floor / k)
-    beta = beta / beta.sum()
+    beta = floored(beta, prior_floor)
     return MassMatch(
         beta=beta,
         log_offset=log_target - torch.log(beta),

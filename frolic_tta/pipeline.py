@@ -41,6 +41,7 @@ from frolic_tta.logits import (
     fill,
     identity_reduce,
 )
+from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
@@ -289,7 +290,7 @@ def _fuse(
     r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12) of ``gaussian``:
     :math:`f_g`, then :math:`f_f` in ``buffer`` where there is one (``filled``: it already
     holds :math:`f_g`), else recomputed by chunks."""
-    gda = gaussian.affine().source(features, chunk_size)
+    gda = gaussian.gda().source(features, chunk_size)
     if buffer is not None:
         gda = TensorLogits(buffer, chunk_size) if filled else fill(buffer, gda)
     if options.fusion == "fixed":  # the released script's equal scales
@@ -372,8 +373,3 @@ def text_test_prior(
     fit = fit_frolic(features, prototypes, text, tau_c=tau_c, **kwargs)
     return floored(fit.priors.test_prior, options.prior_floor)
 
-
-def floored(prior: Tensor, prior_floor: float) -> Tensor:
-    """``prior`` with every entry at least ``prior_floor`` / K, renormalised (float64)."""
-    prior = prior.to(torch.float64).cpu().clamp(min=prior_floor / prior.shape[0])
-    return prior / prior.sum()

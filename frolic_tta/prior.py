@@ -63,7 +63,7 @@ from frolic_tta.logits import (
     fill,
     identity_reduce,
 )
-from frolic_tta.matching import MassMatch, match_class_masses
+from frolic_tta.matching import MassMatch, floored, match_class_masses
 from frolic_tta.mixture import mixture_weights
 from frolic_tta.options import Shrinkage
 
@@ -185,7 +185,7 @@ def estimate_test_prior(
         refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
         fitted[:] = [head]  # only the last refit is kept
-        components: LogitSource = head.affine().source(features, chunk_size)
+        components: LogitSource = head.gda().source(features, chunk_size)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
         raw, ratio, inner, done = mixture_weights(
@@ -234,8 +234,7 @@ START_PASSES = 20
 
 def _shrunk(raw: Tensor, weight: float, prior_floor: float) -> Tensor:
     k = raw.shape[0]
-    prior = (1.0 / k + weight * (raw - 1.0 / k)).clamp(min=prior_floor / k)
-    return prior / prior.sum()
+    return floored(1.0 / k + weight * (raw - 1.0 / k), prior_floor)
 
 
 def shrink_weight(ratio: float, num_classes: int, evidence: float) -> float:
