@@ -35,9 +35,8 @@ class FrolicResult:
         zero_shot_logits: :math:`f_c = x^\top z` (Eq. 2, unscaled).
         gda_logits: :math:`f_g` (Eq. 9, up to a per-sample constant; see :mod:`frolic_tta.gda`).
         fused_logits: :math:`f_f` (Eq. 12).
-        tau_g: Eq. 11.
-        beta: ``(K,)`` positive, sums to 1.
-        head: the adapted :class:`~frolic_tta.head.FrolicHead` (one affine map).
+        head: the adapted :class:`~frolic_tta.head.FrolicHead` (one affine map); the one
+            owner of :math:`\tau_g` and :math:`\hat\beta` (:attr:`tau_g`, :attr:`beta` read it).
         features: the features the result was computed on (normalised if asked).
         sums: the moment sums of ``features``.
         options: the options of the fit.
@@ -49,13 +48,21 @@ class FrolicResult:
     zero_shot_logits: Tensor
     gda_logits: Tensor
     fused_logits: Tensor
-    tau_g: float
-    beta: Tensor
     head: FrolicHead
     features: Tensor
     sums: MomentSums
     options: FrolicOptions
     priors: Priors
+
+    @property
+    def tau_g(self) -> float:
+        r""":math:`\tau_g` (Eq. 11) of :attr:`head`."""
+        return self.head.tau_g
+
+    @property
+    def beta(self) -> Tensor:
+        r"""``(K,)`` :math:`\hat\beta` of :attr:`head` (positive, sums to 1)."""
+        return self.head.beta
 
     def ablations(self, labels: Tensor | None = None) -> dict[str, Tensor]:
         """Logits of the paper's Table 3 and Table 4 rows (:data:`frolic_tta.rows.ROWS`).
@@ -136,14 +143,11 @@ def frolic(
         features, prototypes, options, tau_c=tau_c, reduce_fn=reduce_fn, keep_logits=True
     )
     head = fit.head
-    fused = fit.logits - head.log_offset().to(fit.logits)
     return FrolicResult(
         logits=fit.logits,
         zero_shot_logits=head.zero_shot().logits(features),
-        gda_logits=head.gaussian.affine().logits(features),
-        fused_logits=fused,
-        tau_g=head.tau_g,
-        beta=head.beta,
+        gda_logits=head.gaussian.gda().logits(features),
+        fused_logits=head.fused().logits(features),
         head=head,
         features=features,
         sums=fit.sums,

@@ -175,7 +175,7 @@ class GaussianHead:
     shrinkage: float
     class_weights: Tensor
 
-    def affine(self) -> AffineMap:
+    def gda(self) -> AffineMap:
         """:math:`f_g` as an :class:`~frolic_tta.logits.AffineMap` (centred)."""
         return AffineMap(self.weight, self.bias, self.center)
 

@@ -70,17 +70,17 @@ class FrolicHead:
         r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu`."""
         return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g)
 
-    def affine(self) -> AffineMap:
+    def debiased(self) -> AffineMap:
         r""":math:`f_d = f_f - \ln\hat\beta + \ln\hat\pi` (Eq. 13), centred at :math:`\hat\mu`."""
         return self.fused().shift(self.log_offset())
 
     def score(self, features: Tensor) -> Tensor:
         r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation)."""
-        return self.affine().logits(features)
+        return self.debiased().logits(features)
 
     def to_module(self) -> FrolicClassifier:
         """The adapted classifier as a :class:`FrolicClassifier` (centred, float32-safe)."""
-        final = self.affine()
+        final = self.debiased()
         return FrolicClassifier(final.weight, final.bias, final.center)
 
     def to_linear(self, dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
@@ -90,7 +90,7 @@ class FrolicHead:
         ill-conditioned :math:`\hat\Sigma`); :meth:`to_module` is the float32-safe export, or
         pass ``dtype=torch.float64``.
         """
-        weight, bias = self.affine().uncentred()
+        weight, bias = self.debiased().uncentred()
         layer = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=dtype)
         with torch.no_grad():
             layer.weight.copy_(weight)

@@ -87,7 +87,7 @@ def released_proxies(
     the proxies supervised by it (:math:`f_g(x) = W_g x`, centred)."""
     kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, **inmap_kwargs(options)}
     text = fit_proxies(features, prototypes, tau_c, **kwargs)
-    head = fit_proxies(features, prototypes, tau_c, labels_from=gaussian.affine(), **kwargs)
+    head = fit_proxies(features, prototypes, tau_c, labels_from=gaussian.gda(), **kwargs)
     weight = head.prototypes.to(gaussian.center)
     return text.prototypes, replace(gaussian, weight=weight, bias=weight @ gaussian.center)
 

@@ -165,7 +165,7 @@ def _inmap(ctx: RowContext) -> AffineMap:
 
 
 def _gda(ctx: RowContext) -> AffineMap:
-    return ctx.head.gaussian.affine()
+    return ctx.head.gaussian.gda()
 
 
 def _tde(ctx: RowContext) -> AffineMap:
@@ -205,7 +205,7 @@ _ROWS = (
     Row("f_g", "Gaussian head (GDA)", "3", _gda, temperature="tau_g"),
     Row("f_c + f_g", "sum, uncalibrated", "3", _sum),
     Row("f_f", "fused, tau_g matched", "3", lambda ctx: ctx.head.fused()),
-    Row("f_d", "Frolic (fused, debiased)", "3", lambda ctx: ctx.head.affine()),
+    Row("f_d", "Frolic (fused, debiased)", "3", lambda ctx: ctx.head.debiased()),
     Row("tde", "TDE (Table 4)", "4", _tde, temperature="tau_c"),
     Row("implicit", "implicit bias (Table 4)", "4", _implicit),
     Row("oracle", "oracle bias, labels (Table 4)", "4", _oracle, needs_labels=True),

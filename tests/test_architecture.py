@@ -85,7 +85,7 @@ def test_every_row_is_scored_by_the_centred_path():
     head = result.head
     torch.testing.assert_close(head.score(world.features), result.logits, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(head.to_module()(world.features), result.logits, rtol=0, atol=1e-4)
-    final = head.affine()
+    final = head.debiased()
     shifted = AffineMap(final.weight, final.bias, final.center + 100.0)  # a far centre
     uncentred = (final.weight.float(), final.uncentred()[1].float())
     far = world.features + 100.0
