@@ -16,7 +16,9 @@ from frolic_tta.data.imagenet import (
     imagenet_wnids,
 )
 from frolic_tta.data.indexed import (
+    DataDescription,
     DatasetNotFoundError,
+    DescribesData,
     IndexedDataset,
     SplitFileDataset,
     UnlabeledImageFolder,
@@ -32,7 +34,9 @@ from frolic_tta.data.splits import (
 
 __all__ = [
     "DATASETS",
+    "DataDescription",
     "DatasetNotFoundError",
+    "DescribesData",
     "DatasetSpec",
     "LoadedDataset",
     "FrolicDataModule",

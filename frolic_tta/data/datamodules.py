@@ -31,6 +31,7 @@ from torchvision.datasets import ImageFolder
 
 from frolic_tta.data.datasets import canonical_dataset_name, clean_class_name
 from frolic_tta.data.indexed import (
+    DataDescription,
     DatasetNotFoundError,
     IndexedDataset,
     UnlabeledImageFolder,
@@ -78,6 +79,9 @@ def default_num_workers(devices_per_node: int = 1) -> int:
 
 class _IndexedDataModule(L.LightningDataModule):
     """Shared loader logic: limit, transform resolution, predict/test loaders."""
+
+    dataset_name: str = "custom"  #: the dataset's name in the report (set by subclasses)
+    split_source: str | None = None  #: which split, in words (``None``: not known)
 
     def __init__(
         self,
@@ -148,6 +152,10 @@ class _IndexedDataModule(L.LightningDataModule):
         """File path of each ``batch["index"]``, when known."""
         return dataset_paths(self.source)
 
+    def describe(self) -> DataDescription:
+        """What the report says about these data (:class:`~frolic_tta.data.DescribesData`)."""
+        return DataDescription(self.dataset_name, self.split_source, self.feature_source, self.paths)
+
     def _resolve_transform(self) -> Callable[[Any], Any]:
         if self.preprocess is not None:
             return self.preprocess
@@ -187,8 +195,8 @@ class _IndexedDataModule(L.LightningDataModule):
             hparams["model_name"],
             hparams.get("pretrained"),
             transform,
-            getattr(self, "dataset_name", "custom"),
-            getattr(self, "split_source", None),
+            self.dataset_name,
+            self.split_source,
             self._limit,
             len(self.source),  # type: ignore[arg-type]
             self.paths,

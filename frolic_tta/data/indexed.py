@@ -17,8 +17,9 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from PIL import Image
@@ -309,3 +310,31 @@ def dataset_paths(dataset: Any) -> list[str] | None:
             for i, y in zip(dataset.index, dataset.y, strict=True)
         ]
     return None
+
+
+@dataclass(frozen=True)
+class DataDescription:
+    """What a run's report says about its data (``metrics.json``'s ``"dataset"``, ``"split"``
+    and ``"features"``, ``predictions.csv``'s paths).
+
+    Attributes:
+        dataset_name: the dataset's name (``"custom"`` when not known).
+        split_source: which split, in words (``None``: not known).
+        feature_source: where the features come from, in words.
+        paths: file path of each ``batch["index"]`` (``None``: read from the dataset).
+    """
+
+    dataset_name: str = "custom"
+    split_source: str | None = None
+    feature_source: str = "encoded"
+    paths: list[str] | None = None
+
+
+@runtime_checkable
+class DescribesData(Protocol):
+    """A datamodule that describes its data to the report (the package's datamodules do; a
+    user's own ``LightningDataModule`` need not: its data are then ``"custom"``)."""
+
+    def describe(self) -> DataDescription:
+        """The :class:`DataDescription` of the data set up for this run."""
+        ...

@@ -34,7 +34,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.data.indexed import dataset_paths
+from frolic_tta.data.indexed import DataDescription, DescribesData, dataset_paths
 from frolic_tta.lightning.module import FrolicModule
 from frolic_tta.lightning.online import online_summary, plot_online, write_online_csv
 from frolic_tta.lightning.outcome import predict_loader
@@ -146,8 +146,8 @@ class FrolicReport(FrolicPredictionWriter):
         out = self.report_dir
         out.mkdir(parents=True, exist_ok=True)
         names = list(module.class_names)
-        datamodule = getattr(trainer, "datamodule", None)
-        paths = getattr(datamodule, "paths", None) or dataset_paths(predict_loader(trainer).dataset)
+        data = described_data(trainer)
+        paths = data.paths
         self._write_csv(out / "predictions.csv", joined, names, paths)
         save_file({**joined, "class_names": names}, out / "logits.pt")
         save_file(
@@ -159,9 +159,9 @@ class FrolicReport(FrolicPredictionWriter):
             },
             out / "head.pt",
         )
-        self.summary = self._summary(trainer, module, joined, names, paths)
+        self.summary = self._summary(trainer, module, joined, names, data)
         encoded = self.images_encoded
-        self.summary["features"] = getattr(datamodule, "feature_source", "encoded")
+        self.summary["features"] = data.feature_source
         self.summary["images_encoded"] = module.images_encoded if encoded is None else encoded
         online = "online_step" in joined  # FrolicModule(online=True)
         if online:
@@ -215,13 +215,13 @@ class FrolicReport(FrolicPredictionWriter):
         module: FrolicModule,
         joined: dict[str, Any],
         names: list[str],
-        paths: list[str] | None,
+        data: DataDescription,
     ) -> dict[str, Any]:
+        paths = data.paths
         outcome = module.outcome
         head = outcome.head
         summary = outcome.priors.summary()
         hparams = module.hparams
-        datamodule = getattr(trainer, "datamodule", None)
         n = int(joined["index"].numel())
         valid = joined.get("valid", torch.ones(n, dtype=torch.bool))
         target = joined.get("target", torch.full((n,), -1))
@@ -253,8 +253,8 @@ class FrolicReport(FrolicPredictionWriter):
         probability = outcome.class_probability
         brings_weights = str(hparams.get("model_name")).startswith(("hf-hub:", "local-dir:"))
         return {
-            "dataset": getattr(datamodule, "dataset_name", None) or "custom",
-            "split": getattr(datamodule, "split_source", None),
+            "dataset": data.dataset_name,
+            "split": data.split_source,
             "model": short_name(hparams.get("model_name")),
             "model_name": hparams.get("model_name"),
             "pretrained": None if brings_weights else hparams.get("pretrained"),
@@ -284,6 +284,17 @@ class FrolicReport(FrolicPredictionWriter):
                 },
             },
         }
+
+
+def described_data(trainer: L.Trainer) -> DataDescription:
+    """The run's :class:`~frolic_tta.data.DataDescription`: from a datamodule that describes
+    its data (:class:`~frolic_tta.data.DescribesData`), else ``"custom"``; paths from the
+    predict dataset where the datamodule gives none."""
+    datamodule = trainer.datamodule
+    data = datamodule.describe() if isinstance(datamodule, DescribesData) else DataDescription()
+    if not data.paths:
+        data = replace(data, paths=dataset_paths(predict_loader(trainer).dataset))
+    return data
 
 
 def _round(value: float) -> float:
