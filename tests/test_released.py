@@ -129,7 +129,9 @@ def test_released_preset_equals_the_transcribed_script(world):
     expected = reference_released(x, z)
     result = frolic_tta.frolic(x, z, released_options(), tau_c=0.01)
     difference = result.logits - expected  # beta is normalised: one constant apart
-    assert float(difference.max() - difference.min()) < 1e-6
+    # 2,000 InMaP steps on each side in float64, summed in different orders: 2.3e-6 under
+    # torch 2.14.1 (1e-6 held under 2.13), on logits of size 18
+    assert float(difference.max() - difference.min()) < 1e-5
     # the transcription does something: the bias moved the logits, the prediction changed
     assert float((result.logits - result.fused_logits).std()) > 0.1
     assert bool((expected.argmax(1) != result.fused_logits.argmax(1)).any())
