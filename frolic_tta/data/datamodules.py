@@ -10,10 +10,9 @@ the key of the features this run would encode (the module's model and weights, t
 the dataset, split, ``limit`` and file list). If ``DIR`` holds a store with that key, batches
 are ``{"features", "index"[, "label"]}`` read from it (no image is decoded, the encoder does not
 run); if it holds none, the images are encoded as usual and :attr:`store_request` says which
-store to write: ``FrolicModule.configure_callbacks`` registers a
-:class:`~frolic_tta.lightning.store.FeatureStoreWriter` that writes it (data does not know the
-model's callbacks). A store with another key, or a broken one, raises
-:class:`~frolic_tta.data.store.FeatureStoreError`.
+store to write: ``FrolicModule.configure_callbacks`` registers a ``FeatureStoreWriter`` that
+writes it (data does not know the model's callbacks). A store with another key, or a broken
+one, raises :class:`~frolic_tta.data.store.FeatureStoreError`.
 """
 
 from __future__ import annotations
@@ -154,7 +153,8 @@ class _IndexedDataModule(L.LightningDataModule):
 
     def describe(self) -> DataDescription:
         """What the report says about these data (:class:`~frolic_tta.data.DescribesData`)."""
-        return DataDescription(self.dataset_name, self.split_source, self.feature_source, self.paths)
+        names = (self.dataset_name, self.split_source, self.feature_source)
+        return DataDescription(*names, self.paths)
 
     def _resolve_transform(self) -> Callable[[Any], Any]:
         if self.preprocess is not None:
