@@ -172,6 +172,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             mismatch = allow_head_mismatch
             check_provenance(stored.provenance, self.provenance(), source, allow_mismatch=mismatch)
         self.images_encoded = 0
+        self.online_: dict[str, Any] = {}  #: online answers' summary (``OnlineAnswers`` sets it)
         self._reset()
 
     priors_ = outcome_field("priors")
@@ -196,7 +197,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         self._features: list[Tensor] = []
         self._labels: list[Tensor] = []
         self._outputs: list[dict[str, Tensor]] = []
-        self._prototypes: Tensor | None = None
+        self.prototypes_: Tensor | None = None  #: ``(K, d)`` of this predict (online reads it)
         self._last_batch = -1
         #: The latest batch's features ``(n, d)`` (what :class:`FeatureStoreWriter` saves).
         self.batch_features: Tensor | None = None
@@ -277,8 +278,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                 f"Expected at least one sample per rank (N >= world size {world}), but the "
                 f"dataset has N={self._dataset_length}"
             )
-        self._prototypes = self.build_prototypes()
-        self.moments = FrolicMoments(self._prototypes, self.tau_c).to(self.device)
+        self.prototypes_ = self.build_prototypes()
+        self.moments = FrolicMoments(self.prototypes_, self.tau_c).to(self.device)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
@@ -293,7 +294,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             output["target"] = labels.detach().cpu()
         mask = valid.to(features.device)
         n = features.shape[0]
-        k = self.head.prototypes.shape[0] if self.reuse_head else self._prototypes.shape[0]
+        k = self.head.prototypes.shape[0] if self.reuse_head else self.prototypes_.shape[0]
         if self.hparams.return_logits:
             output["logits"] = torch.full((n, k), float("nan"), dtype=torch.float32)
         output["prediction"] = torch.full((n,), -1, dtype=torch.long)
@@ -323,7 +324,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                 self.finalize()
 
     # ------------------------------------------------------------------ finalize
-    def _reduce(self, tensor: Tensor) -> Tensor:
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over ranks: the one collective of the module and its callbacks."""
         reduced = self.trainer.strategy.reduce(tensor.to(self.device).clone(), reduce_op="sum")
         return reduced.to(tensor.device)
 
@@ -332,7 +334,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         labelled = sum(int((labels >= 0).sum()) for labels in self._labels)
         seen = sum(o["index"].numel() for o in self._outputs)
         local = RunCounts(len(self._skipped.records), labelled, self._partial, seen)
-        counts = asdict(local.reduce(self._reduce))
+        counts = asdict(local.reduce(self.reduce_sum))
         return {**counts, "partial": int(counts["partial"]), "used": int(round(float(used)))}
 
     def finalize(self) -> None:
@@ -343,10 +345,10 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         used = counts["used"]
         features = torch.cat(self._features)
         hp = self.hparams
-        progress = FinalizeProgress(self.trainer, self._reduce, used, self._prototypes.shape[0])
+        progress = FinalizeProgress(self.trainer, self.reduce_sum, used, self.prototypes_.shape[0])
         fit = fit_frolic(
             features,
-            self._prototypes,
+            self.prototypes_,
             self.options,
             tau_c=self.tau_c,
             sums=sums,
@@ -358,7 +360,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         self.head = fit.head
         finalize = progress.finish(fit.head.tau_g, fit.priors)
         probability = fill_outputs(
-            self._outputs, fit.logits, fit.head, features, self._reduce, sums.count.cpu()
+            self._outputs, fit.logits, fit.head, features, self.reduce_sum, sums.count.cpu()
         )
         metrics: dict[str, float] = {}
         class_accuracy: dict[str, Tensor] = {}
@@ -369,7 +371,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                     f"accuracy is computed on the {counts['labelled']} that do"
                 )
             labels, rows = torch.cat(self._labels), None if hp.ablations else ["f_d"]
-            args = (self.options, self._reduce, hp.chunk_size, rows)
+            args = (self.options, self.reduce_sum, hp.chunk_size, rows)
             metrics, class_accuracy = evaluate_fit(fit, features, labels, counts["labelled"], *args)
             if self.trainer.logger is not None:
                 self.trainer.logger.log_metrics(metrics, step=0)
@@ -389,11 +391,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
 
     # ------------------------------------------------------------------ re-use
     def adapted_classifier(self) -> FrolicClassifier:
-        r"""The adapted classifier :math:`f_d(x) = A (x - \mu) + c` on normalised features.
-
-        A :class:`~frolic_tta.head.FrolicClassifier` (``nn.Module``); ``self.head.to_linear()``
-        gives a plain ``nn.Linear`` computing :math:`A x + c'`.
-        """
+        r"""The adapted classifier :math:`f_d(x) = A (x - \mu) + c` on normalised features, a
+        :class:`~frolic_tta.head.FrolicClassifier` (``self.head.to_linear()``: an ``nn.Linear``)."""
         if self.head is None:
             raise RuntimeError("FrolicModule has not been adapted yet: run trainer.predict first")
         return self.head.to_module()

@@ -66,6 +66,7 @@ class OnlineAnswers(L.Callback):
     def __init__(self) -> None:
         self.online: OnlineFrolic | None = None
         self.steps = 0
+        self.outputs: list[dict[str, Tensor]] = []  # the batches' outputs, filled at the end
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -77,6 +78,7 @@ class OnlineAnswers(L.Callback):
         local = torch.tensor(float(trainer.num_predict_batches[0]), device=pl_module.device)
         self.steps = int(trainer.strategy.reduce(local, reduce_op="max").item())
         self.online = None
+        self.outputs = []
         pl_module.online_ = {}
 
     @override
@@ -89,17 +91,19 @@ class OnlineAnswers(L.Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        module: Any = pl_module
+        module: Any = pl_module  # a FrolicModule: its public predict state, nothing private
         if self.online is None:
             self.online = OnlineFrolic(
-                module._prototypes,
+                module.prototypes_,
                 module.options,
                 tau_c=module.tau_c,
-                reduce_fn=module._reduce,
+                reduce_fn=module.reduce_sum,
                 chunk_size=module.hparams.chunk_size,
             )
+        self.outputs.append(outputs)  # the module fills its end-of-stream predictions later
+        features = module.batch_features
         with torch.autocast(module.device.type, enabled=False):
-            answer = self.online.step(module._features[-1])  # this batch's usable features
+            answer = self.online.step(features[outputs["valid"].to(features.device)])
             fill(outputs, answer.logits, answer.zero_shot, answer.fallback)
             outputs.update(
                 {
@@ -111,7 +115,7 @@ class OnlineAnswers(L.Callback):
                     )
                 }
             )
-            if batch_idx == module._last_batch:
+            if batch_idx == trainer.num_predict_batches[dataloader_idx] - 1:
                 self.online.pad_to(self.steps)  # no rank leaves a collective waiting
 
     @override
@@ -119,7 +123,7 @@ class OnlineAnswers(L.Callback):
         if self.online is None:
             return
         module: Any = pl_module
-        outputs = module._outputs
+        outputs = self.outputs
         counts = torch.zeros(4, dtype=torch.float64)
         for output in outputs:
             target = output.get("target")
@@ -129,7 +133,7 @@ class OnlineAnswers(L.Callback):
             counts[0] += int(scored.sum())
             for i, key in enumerate(("online_prediction", "zero_shot_prediction", "prediction")):
                 counts[i + 1] += int((output[key][scored] == target[scored]).sum())
-        counts = module._reduce(counts)
+        counts = module.reduce_sum(counts)
         labelled = int(counts[0])
         module.online_ = {
             "steps": self.online.steps,
@@ -171,7 +175,7 @@ def online_summary(joined: dict[str, Any], module: Any) -> dict[str, Any]:
     """The ``online`` section of ``metrics.json``: refits, and with labels the accuracy of the
     answers as they were made, of zero-shot and of the end-of-stream re-scoring (exact ratios
     over the labelled usable samples)."""
-    summary = dict(getattr(module, "online_", {}) or {})
+    summary = dict(module.online_)
     target = joined.get("target")
     if target is None:
         return summary
