@@ -30,6 +30,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from frolic_tta import FrolicModule
+from frolic_tta.lightning.outcome import fill_output
+from frolic_tta.lightning.samples import unpack_batch
 
 for _name in ("lightning.pytorch", "lightning.fabric"):  # no start-up banners in the tables
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -58,10 +60,17 @@ class ZeroShotModule(FrolicModule):
     """Plain zero-shot CLIP on FrolicModule's encode path: softmax(f_c / tau_c), no finalize."""
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
-        images, index, _ = self._unpack(batch)
+        images, index, _, _ = unpack_batch(batch)
         features = self.encode_images(images)
-        logits = features @ self._prototypes.t() / self.tau_c
-        return self._fill({"index": index.detach().cpu()}, logits)
+        logits = features @ self.prototypes_.t() / self.tau_c
+        n = features.shape[0]
+        output = {
+            "index": index.detach().cpu(),
+            "valid": torch.ones(n, dtype=torch.bool),
+            "prediction": torch.full((n,), -1, dtype=torch.long),
+            "confidence": torch.full((n,), float("nan")),
+        }
+        return fill_output(output, logits)
 
     def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
         pass
