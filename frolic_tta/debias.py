@@ -150,6 +150,7 @@ def fit_label_bias(
     prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
     name: str = "the label bias beta-hat",
+    init: Tensor | None = None,
 ) -> MassMatch:
     r""":func:`estimate_label_bias` with its diagnostics (:class:`~frolic_tta.matching.MassMatch`:
     :math:`\hat\beta`, the logit offset, undetermined classes, convergence).
@@ -159,7 +160,8 @@ def fit_label_bias(
     the other methods ignore them but still return ``log_offset``
     :math:`= \ln\pi - \ln\hat\beta`. Warns when the loop does not converge or when the data
     leave some :math:`\hat\beta_j` undetermined; ``name`` says which :math:`\hat\beta` in the
-    warning (:data:`FUSED_BETA`, :data:`ZERO_SHOT_BETA`).
+    warning (:data:`FUSED_BETA`, :data:`ZERO_SHOT_BETA`). ``init``: a :math:`\hat\beta` the
+    soft matching starts from (a warm start; the other methods ignore it).
     """
     check_choice("method", method, BIAS_METHODS)
     check_positive("eps", eps)
@@ -186,7 +188,8 @@ def fit_label_bias(
         target = label_frequencies(labels, k, reduce_fn)
     solve = _SOLVERS["soft" if labels is not None else method]
     limits = {"eps": eps, "max_iter": max_iter, "prior_floor": prior_floor}
-    return solve(source, target, bound=bound, reduce_fn=reduce_fn, name=name, **limits)
+    kwargs = {"bound": bound, "reduce_fn": reduce_fn, "name": name, "init": init}
+    return solve(source, target, **kwargs, **limits)
 
 
 def _solve_none(source: LogitSource, target: Tensor, **_: object) -> MassMatch:
@@ -227,11 +230,13 @@ def _solve_soft(
     prior_floor: float,
     reduce_fn: ReduceFn,
     name: str,
+    init: Tensor | None,
 ) -> MassMatch:
     """``"soft"`` and the Oracle: the debiased class masses matched to ``target``."""
     result = match_class_masses(
         source,
         target,
+        init=init,
         bound=bound,
         eps=eps,
         max_iter=max_iter,

@@ -242,6 +242,8 @@ def fit_frolic(
     report("label bias")
     if bias is None:
         tight = {"eps": min(options.eps, HEAD_LABELS_EPS)} if debias_head else {}
+        if debias_head and zero_shot_bias is not None:  # f_g carries no label bias of its own:
+            tight["init"] = zero_shot_bias.beta  # f_f's starts near f_c's (a warm start)
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
