@@ -45,7 +45,7 @@ from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
     Priors,
-    TestPrior,
+    TestPriorEstimate,
     estimate_test_prior,
     posterior_sums,
     refitted_sums,
@@ -317,7 +317,7 @@ def _test_prior(
     buffer: Tensor | None,
     bound: float | None,
     head: bool = False,
-) -> TestPrior:
+) -> TestPriorEstimate:
     """:func:`~frolic_tta.prior.estimate_test_prior` with ``options``; warns where a weight
     solve stopped at its cap. With ``head``, the mixture is the head itself: its labels'
     matchings run to :data:`HEAD_LABELS_EPS` (the head, not only an offset, depends on them)."""

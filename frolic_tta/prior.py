@@ -69,8 +69,9 @@ from frolic_tta.options import Shrinkage
 
 
 @dataclass(frozen=True)
-class TestPrior:
-    r"""Result of :func:`estimate_test_prior`.
+class TestPriorEstimate:
+    r"""Result of :func:`estimate_test_prior`, the solver's own (what a fit reports publicly
+    is :class:`Priors`).
 
     Attributes:
         prior: ``(K,)`` :math:`\tilde\pi` (shrunk), sums to 1.
@@ -136,7 +137,7 @@ def estimate_test_prior(
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     buffer: Tensor | None = None,
-) -> TestPrior:
+) -> TestPriorEstimate:
     r"""The test prior :math:`\tilde\pi` and the matching of ``source`` to it (module
     docstring).
 
@@ -164,7 +165,7 @@ def estimate_test_prior(
             (overwritten), or ``None``: recomputed from the features at every pass.
 
     Returns:
-        :class:`TestPrior`.
+        :class:`TestPriorEstimate`.
     """
     reduce_fn = reduce_fn or identity_reduce
     k = prototypes.shape[0]
@@ -208,14 +209,14 @@ def estimate_test_prior(
             stacklevel=3,
         )
         bias = bias if bias.converged else match(uniform, bias)
-        return TestPrior(uniform, uniform, 0.0, 0.0, bias, 0, bias.evaluations, True)
+        return TestPriorEstimate(uniform, uniform, 0.0, 0.0, bias, 0, bias.evaluations, True)
     passes += bias.evaluations
     weight = shrink_weight(ratio, k, evidence)
     if weight == 0.0:  # no evidence of imbalance: the balanced solution
         if not bias.converged:
             bias = match(uniform, bias)
             passes += bias.evaluations
-        return TestPrior(uniform, raw, 0.0, ratio, bias, 0, passes, converged, fitted[-1])
+        return TestPriorEstimate(uniform, raw, 0.0, ratio, bias, 0, passes, converged, fitted[-1])
     for _ in range(rounds):
         bias = match(_shrunk(raw, weight, prior_floor), bias)
         raw, ratio, inner, done = weights(bias, raw)
@@ -225,7 +226,7 @@ def estimate_test_prior(
     prior = _shrunk(raw, weight, prior_floor)
     bias = match(prior, bias)
     passes += bias.evaluations
-    return TestPrior(prior, raw, weight, ratio, bias, rounds, passes, converged, fitted[-1])
+    return TestPriorEstimate(prior, raw, weight, ratio, bias, rounds, passes, converged, fitted[-1])
 
 
 START_PASSES = 20
