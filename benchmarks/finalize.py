@@ -117,7 +117,7 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
         z,
         options,
         tau_c=TAU_C,
-        eps=EPS,
+        solver={"eps": EPS},
         sums=sums,
         reduce_fn=probe.reduce,
         keep_logits=case["keep_logits"],

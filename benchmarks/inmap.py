@@ -9,7 +9,7 @@ passes and one labelling pass), ``--steps`` proxy steps, and the moment-sums pas
 ``fit_frolic`` adds. Every proxy step does the same work (two ``(N, d) x (d, K)`` products and
 one reduction), so InMaP's 2,000 steps are extrapolated as labels + 2,000 x (time per step);
 ``--steps 2000`` measures them all. Also timed: the proxies with the convergence test of
-``FrolicOptions().inmap_tolerance`` (the steps it took, measured, not extrapolated).
+``FrolicOptions().solver.inmap_tolerance`` (the steps it took, measured, not extrapolated).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def measure(n: int, k: int, d: int, steps: int, device: str) -> dict:
     labels_s, _ = timed(lambda: inmap_proxies(features, prototypes, iterations=0))
     total_s, (proxies, tau) = timed(lambda: inmap_proxies(features, prototypes, iterations=steps))
     step_s = (total_s - labels_s) / steps
-    tolerance = FrolicOptions().inmap_tolerance
+    tolerance = FrolicOptions().solver.inmap_tolerance
     converged_s, fit = timed(lambda: fit_proxies(features, prototypes, tolerance=tolerance))
     sums_s, _ = timed(lambda: shard_moment_sums(features, proxies.float(), tau))
     labels = labels.to(device)

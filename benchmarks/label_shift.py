@@ -36,7 +36,7 @@ import torch
 
 import frolic_tta
 from frolic_tta import ROWS, accuracy
-from frolic_tta.options import FrolicOptions, paper_options
+from frolic_tta.options import FrolicOptions, SolverOptions, paper_options
 from frolic_tta.synthetic import (
     World,
     clip_like_world,
@@ -49,9 +49,9 @@ CANDIDATES: dict[str, FrolicOptions] = {
     "default": FrolicOptions(),
     "raw head labels (previous default)": FrolicOptions(head_labels="zero_shot"),
     "balanced test prior": FrolicOptions(test_prior="uniform"),
-    "no shrinkage (evidence 0)": FrolicOptions(shift_evidence=0.0),
-    "evidence 2": FrolicOptions(shift_evidence=2.0),
-    "balanced refit only (0 rounds)": FrolicOptions(prior_rounds=0),
+    "no shrinkage (evidence 0)": FrolicOptions(solver=SolverOptions(shift_evidence=0.0)),
+    "evidence 2": FrolicOptions(solver=SolverOptions(shift_evidence=2.0)),
+    "balanced refit only (0 rounds)": FrolicOptions(solver=SolverOptions(prior_rounds=0)),
     "paper (Eq. 7, Alg. 2, balanced)": paper_options(),
 }
 """Frolic option sets whose f_d is reported in every world (the losing candidates beside the

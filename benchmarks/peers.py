@@ -19,7 +19,7 @@ Methods, on the same features (``frolic_tta.frolic`` unless said):
 * ``InMaP + Frolic``: ``FrolicOptions(zero_shot="inmap")`` (its proxies' labels balanced to
   the EM test prior, then Frolic; ``proxies alone`` in the JSON: those proxies by themselves);
 * ``InMaP alone, 2,000 steps`` and ``InMaP + Frolic, 2,000 steps``: the same with
-  InMaP's fixed step count (``inmap_tolerance=None``).
+  InMaP's fixed step count (``solver.inmap_tolerance=None``).
 
 Costs: wall seconds of each method from features to logits, and its *InMaP passes* over the
 features (Sinkhorn + labels + proxy steps; Frolic's own handful of passes not counted).
@@ -102,7 +102,7 @@ def evaluate(x: torch.Tensor, z: torch.Tensor, y: torch.Tensor, tau_c: float, de
     full = {"seconds": seconds, "passes": INMAP_FULL}
     out["InMaP alone, 2,000 steps"] = {"acc": accuracy(logits, y), **full}
     seconds, result = timed(
-        lambda: frolic(FrolicOptions(zero_shot="inmap", inmap_tolerance=None)), device
+        lambda: frolic(FrolicOptions(zero_shot="inmap", solver={"inmap_tolerance": None})), device
     )
     out["InMaP + Frolic, 2,000 steps"] = {"acc": accuracy(result.logits, y), **full}
     out["InMaP + Frolic, 2,000 steps"]["seconds"] = seconds

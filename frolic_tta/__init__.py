@@ -18,7 +18,7 @@ from frolic_tta.functional import FrolicResult, frolic
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicClassifier, FrolicHead
 from frolic_tta.logits import AffineMap, LinearLogits, LogitSource, TensorLogits
-from frolic_tta.options import FrolicOptions, paper_options, released_options
+from frolic_tta.options import FrolicOptions, SolverOptions, paper_options, released_options
 from frolic_tta.pipeline import FrolicFit, fit_frolic
 from frolic_tta.rows import ROWS, accuracy, tde_logits
 
@@ -63,6 +63,7 @@ __all__ = [
     "LinearLogits",
     "LogitSource",
     "MomentSums",
+    "SolverOptions",
     "TensorLogits",
     "accuracy",
     "confidence",

@@ -44,7 +44,7 @@ never halved and :math:`\|G\|_F` creeps down for all 2,000 steps (moves of
 :math:`10^{-3}` to :math:`10^{-4}`). The loop stops once the largest move of a proxy in one
 step, :math:`\max_j\|w_j^{t} - w_j^{t-1}\|_2`, is below ``tolerance``, or once
 :math:`\|G\|_F` fell in one step by less than ``relative_tolerance`` times itself
-(:data:`RELATIVE_TOLERANCE` = :math:`10^{-3}` with ``FrolicOptions().inmap_tolerance``): on
+(:data:`RELATIVE_TOLERANCE` = :math:`10^{-3}` with ``FrolicOptions().solver.inmap_tolerance``): on
 the CLIP-like label-shift worlds (N = 5,000, K = 50) 23-41 steps instead of 60-2,000, with the
 same or a higher top-1 than after 2,000 steps (``benchmarks/peers.py``). Both are reduced
 float64 values: every shard stops together; ``iterations`` stays the cap.
@@ -85,7 +85,7 @@ r"""InMaP's :math:`\tau_i` (its ImageNet default): the proxies' softmax temperat
 
 RELATIVE_TOLERANCE = 1e-3
 r"""Stop once :math:`\|G\|_F` falls by less than this fraction of itself in one step (used
-with every ``inmap_tolerance`` of the options, see :func:`convergence`)."""
+with every ``solver.inmap_tolerance`` of the options, see :func:`convergence`)."""
 
 
 class ProxyClassifier(NamedTuple):
@@ -191,9 +191,9 @@ class ProxyFit:
 
 
 def convergence(options: FrolicOptions) -> dict[str, float | None]:
-    """The :func:`fit_proxies` stopping arguments of ``options``: ``inmap_tolerance`` and, with
-    it, :data:`RELATIVE_TOLERANCE` (``inmap_tolerance=None``: InMaP's fixed step count)."""
-    tolerance = options.inmap_tolerance
+    """The :func:`fit_proxies` stopping arguments of ``options``: ``solver.inmap_tolerance``
+    and, with it, :data:`RELATIVE_TOLERANCE` (``None``: InMaP's fixed step count)."""
+    tolerance = options.solver.inmap_tolerance
     relative = None if tolerance is None else RELATIVE_TOLERANCE
     return {"tolerance": tolerance, "relative_tolerance": relative}
 

@@ -3,7 +3,10 @@ r"""The options of the Frolic estimator: one vocabulary for the functions, the m
 :class:`FrolicOptions` is a frozen dataclass; its values are validated once, when it is built
 (so a command line with a bad value fails before any model loads). :func:`frolic_tta.frolic`,
 :func:`frolic_tta.fit_frolic` and ``FrolicModule(options=...)`` take it; the command line exposes
-it as ``--model.options.<field>``.
+it as ``--model.options.<field>``. Its fields are the method's choices; the tolerances and caps
+of its solvers are one nested group, :class:`SolverOptions` (``options.solver``,
+``--model.options.solver.<field>``, ``solver: {eps: 0.001}`` in YAML), so a user reads the
+choices without the internals and overrides those explicitly.
 
 The zero-shot temperature :math:`\tau_c` is not an option of the method but a property of the
 zero-shot classifier (CLIP's learned ``logit_scale``), so it is passed beside the options.
@@ -12,7 +15,8 @@ zero-shot classifier (CLIP's learned ``logit_scale``), so it is passed beside th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 Covariance = Literal["soft", "paper", "released"]
@@ -96,6 +100,97 @@ def check_shrinkage(value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class SolverOptions:
+    r"""Tolerances and caps of the Frolic estimator's solvers (``FrolicOptions.solver``).
+
+    Args:
+        eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
+        max_iter: cap on the label-bias iterations.
+        prior_rounds: refits of the mixture under the debiased posterior once the
+            balanced one shows an imbalanced test set (``test_prior="em"``,
+            :mod:`frolic_tta.prior`); each refit's weights are solved to ``prior_tol``.
+        prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
+            a solve that stops at its cap warns and is reported as ``converged: false``.
+        shift_evidence: how much evidence an imbalanced test prior needs: the constant
+            :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
+            (:class:`~frolic_tta.prior.TestPriorEstimate`); ``0`` uses the EM estimate as it is.
+        beta_ratio_bound: largest :math:`\max_j\hat\beta_j / \min_j\hat\beta_j` of the zero-shot
+            model's pre-training prior (a box on :math:`\ln\hat\beta`, :mod:`frolic_tta.matching`;
+            classes at the box are reported as undetermined); ``None``: only ``prior_floor``.
+        prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
+        inmap_tolerance: stop the InMaP proxies' gradient steps once no proxy moves more than
+            this in one step (at most 2,000 steps); ``None``: InMaP's fixed 2,000 steps.
+        temperature_tol: tolerance of the confidence matching that finds :math:`\tau_g`
+            (Eq. 11, :func:`frolic_tta.match_temperature`'s ``tol``).
+
+    Example::
+
+        >>> SolverOptions(eps=1e-3).max_iter
+        100
+    """
+
+    eps: float = 0.01
+    max_iter: int = 100
+    prior_rounds: int = 3
+    prior_tol: float = 1e-7
+    shift_evidence: float = 0.5
+    beta_ratio_bound: float | None = 1e8
+    prior_floor: float = 1e-30
+    inmap_tolerance: float | None = 1e-6
+    temperature_tol: float = 1e-5
+
+    def __post_init__(self) -> None:
+        check_positive("shift_evidence", self.shift_evidence, allow_zero=True)
+        if self.beta_ratio_bound is not None:
+            bound = check_positive("beta_ratio_bound", self.beta_ratio_bound)
+            if not bound > 1.0:
+                raise ValueError(
+                    f"Expected `beta_ratio_bound` > 1, but got {self.beta_ratio_bound!r}"
+                )
+        check_positive("eps", self.eps)
+        check_count("max_iter", self.max_iter, minimum=1)
+        check_positive("prior_tol", self.prior_tol)
+        check_count("prior_rounds", self.prior_rounds, minimum=0)
+        floor = check_positive("prior_floor", self.prior_floor)
+        if floor >= 1.0:
+            raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
+        if self.inmap_tolerance is not None:
+            check_positive("inmap_tolerance", self.inmap_tolerance)
+        check_positive("temperature_tol", self.temperature_tol)
+
+
+SOLVER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SolverOptions))
+"""The :class:`SolverOptions` field names (nested under ``solver``, never flat)."""
+
+
+def solver_options(solver: Any, base: SolverOptions | None = None) -> SolverOptions:
+    """``solver`` as :class:`SolverOptions`: itself, or a mapping of its fields over ``base``.
+
+    Args:
+        solver: a :class:`SolverOptions` (used as it is) or a mapping of some of its fields
+            (from YAML or a sweep: ``{"eps": 0.001}``).
+        base: the values a mapping's missing fields keep (default: :class:`SolverOptions`).
+
+    Raises:
+        TypeError: ``solver`` is neither, or a mapping has keys that are not fields.
+    """
+    if isinstance(solver, SolverOptions):
+        return solver
+    if not isinstance(solver, Mapping):
+        raise TypeError(
+            "Expected `solver` to be a SolverOptions or a mapping of its fields, but got "
+            f"{solver!r}"
+        )
+    unknown = sorted(map(str, set(solver) - set(SOLVER_FIELDS)))
+    if unknown:
+        raise TypeError(
+            f"Expected `solver` keys among the SolverOptions fields {list(SOLVER_FIELDS)}, "
+            f"but got {unknown}"
+        )
+    return replace(base or SolverOptions(), **solver)
+
+
+@dataclass(frozen=True)
 class FrolicOptions:
     r"""Choices of the Frolic estimator (defaults: the numerically sound variants).
 
@@ -106,25 +201,12 @@ class FrolicOptions:
             ``"oas"``, a float in [0, 1], or ``None``.
         bias: label-bias estimator: ``"soft"`` (default), ``"paper"`` (Algorithm 2 as
             written), ``"implicit"`` (Eq. 15 on test data), ``"none"`` or ``"released"``
-            (the authors' script: ``max_iter`` rounds, power iteration to ``eps``).
+            (the authors' script: ``solver.max_iter`` rounds, power iteration to
+            ``solver.eps``).
         test_prior: the test set's class prior :math:`\pi`: ``"em"`` (default; the weights of
             the Gaussian mixture, :mod:`frolic_tta.prior`: with ``head_labels="debiased"`` the
             head :math:`f_g` itself, its labels debiased to that prior) or ``"uniform"`` (a
             balanced test set, the paper's assumption).
-        prior_rounds: refits of the mixture under the debiased posterior once the
-            balanced one shows an imbalanced test set (``test_prior="em"``,
-            :mod:`frolic_tta.prior`); each refit's weights are solved to ``prior_tol``.
-        prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
-            a solve that stops at its cap warns and is reported as ``converged: false``.
-        shift_evidence: how much evidence an imbalanced test prior needs: the constant
-            :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
-            (:class:`~frolic_tta.prior.TestPrior`); ``0`` uses the EM estimate as it is.
-        beta_ratio_bound: largest :math:`\max_j\hat\beta_j / \min_j\hat\beta_j` of the zero-shot
-            model's pre-training prior (a box on :math:`\ln\hat\beta`, :mod:`frolic_tta.matching`;
-            classes at the box are reported as undetermined); ``None``: only ``prior_floor``.
-        eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
-        max_iter: cap on the label-bias iterations.
-        prior_floor: every :math:`\hat\beta_j \ge` ``prior_floor`` / K.
         zero_shot: the zero-shot classifier :math:`f_c`: ``"text"`` (default; the text
             prototypes at :math:`\tau_c`) or ``"inmap"`` (InMaP's proxies learned on the test
             images, at their temperature 0.04: Tables 1-2's "InMaP + Frolic"; 2,022 extra
@@ -144,14 +226,16 @@ class FrolicOptions:
             balances the class masses (to the text EM test prior with ``test_prior="em"``,
             ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
             softmax (the released script's call).
-        inmap_tolerance: stop the proxies' gradient steps once no proxy moves more than this
-            in one step (at most 2,000 steps); ``None``: InMaP's fixed 2,000 steps.
+        solver: the solvers' tolerances and caps (:class:`SolverOptions`), or a mapping of
+            some of its fields (``{"eps": 0.001}``, the others at their defaults).
 
     Example::
 
         >>> FrolicOptions(bias="paper").covariance
         'soft'
-        >>> FrolicOptions(eps=0)
+        >>> FrolicOptions(solver={"eps": 1e-3}).solver.eps
+        0.001
+        >>> FrolicOptions(solver=SolverOptions(eps=0))
         Traceback (most recent call last):
         ...
         ValueError: Expected `eps` to be a finite number > 0, but got 0.0
@@ -161,18 +245,11 @@ class FrolicOptions:
     shrinkage: Shrinkage = "auto"
     bias: BiasMethod = "soft"
     test_prior: TestPriorMethod = "em"
-    prior_rounds: int = 3
-    prior_tol: float = 1e-7
-    shift_evidence: float = 0.5
-    beta_ratio_bound: float | None = 1e8
-    eps: float = 0.01
-    max_iter: int = 100
-    prior_floor: float = 1e-30
     zero_shot: ZeroShot = "text"
     head_labels: HeadLabels = "debiased"
     fusion: Fusion = "matched"
     inmap_gamma: float = 0.0
-    inmap_tolerance: float | None = 1e-6
+    solver: SolverOptions = field(default_factory=SolverOptions)
 
     def __post_init__(self) -> None:
         check_choice("covariance", self.covariance, COVARIANCES)
@@ -184,44 +261,50 @@ class FrolicOptions:
             )
         check_choice("bias", self.bias, BIAS_METHODS)
         check_choice("test_prior", self.test_prior, TEST_PRIORS)
-        check_positive("shift_evidence", self.shift_evidence, allow_zero=True)
-        if self.beta_ratio_bound is not None:
-            bound = check_positive("beta_ratio_bound", self.beta_ratio_bound)
-            if not bound > 1.0:
-                raise ValueError(
-                    f"Expected `beta_ratio_bound` > 1, but got {self.beta_ratio_bound!r}"
-                )
-        check_positive("eps", self.eps)
-        check_count("max_iter", self.max_iter, minimum=1)
-        check_positive("prior_tol", self.prior_tol)
-        check_count("prior_rounds", self.prior_rounds, minimum=0)
-        floor = check_positive("prior_floor", self.prior_floor)
-        if floor >= 1.0:
-            raise ValueError(f"Expected `prior_floor` < 1, but got {self.prior_floor!r}")
         check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
         check_choice("head_labels", self.head_labels, HEAD_LABELS)
         check_choice("fusion", self.fusion, FUSIONS)
         check_positive("inmap_gamma", self.inmap_gamma, allow_zero=True)
-        if self.inmap_tolerance is not None:
-            check_positive("inmap_tolerance", self.inmap_tolerance)
+        if not isinstance(self.solver, SolverOptions):  # a mapping from YAML or a sweep
+            object.__setattr__(self, "solver", solver_options(self.solver))
+
+
+def options_from_dict(values: Mapping[str, Any]) -> FrolicOptions:
+    """:class:`FrolicOptions` from a plain mapping such as ``asdict(options)`` (hparams).
+
+    Mappings written before the solver group (a checkpoint's hparams with ``eps``,
+    ``max_iter``, ... beside the method's choices) still load: those flat keys are moved into
+    ``solver`` (where a key is in both, the nested one wins).
+
+    Raises:
+        TypeError: a key is neither a :class:`FrolicOptions` nor a :class:`SolverOptions` field.
+    """
+    values = dict(values)
+    flat = {name: values.pop(name) for name in SOLVER_FIELDS if name in values}
+    if flat:
+        nested = values.get("solver") or {}
+        nested = asdict(nested) if isinstance(nested, SolverOptions) else dict(nested)
+        values["solver"] = {**flat, **nested}
+    return FrolicOptions(**values)
 
 
 def paper_options(**overrides: Any) -> FrolicOptions:
     r"""The paper's method as written: Eq. 7, Algorithm 2, a balanced test set, no prior on
-    :math:`\beta` (``overrides`` on top)."""
-    paper = {
-        "covariance": "paper",
-        "bias": "paper",
-        "test_prior": "uniform",
-        "beta_ratio_bound": None,
-        "head_labels": "zero_shot",
-    }
-    return FrolicOptions(**{**paper, **overrides})
+    :math:`\beta` (``overrides`` on top, as in :func:`resolve_options`)."""
+    paper = FrolicOptions(
+        covariance="paper",
+        bias="paper",
+        test_prior="uniform",
+        head_labels="zero_shot",
+        solver=SolverOptions(beta_ratio_bound=None),
+    )
+    return resolve_options(paper, **overrides)
 
 
 def released_options(**overrides: Any) -> FrolicOptions:
     r"""The authors' released method (``main_zeroshot.py`` of github.com/zhuhsingyuu/Frolic,
-    :mod:`frolic_tta.released`), the one behind the paper's tables (``overrides`` on top).
+    :mod:`frolic_tta.released`), the one behind the paper's tables (``overrides`` on top, as
+    in :func:`resolve_options`).
 
     A Gaussian head with the prototypes as means and :math:`0.9I + 0.1\,\mathrm{diag}` as
     covariance; two InMaP classifiers, supervised by the text and by that head (labels at
@@ -229,33 +312,45 @@ def released_options(**overrides: Any) -> FrolicOptions:
     (x100 for CLIP); the label bias by 11 rounds of power iteration on hard labels. A
     balanced test set, no bound on :math:`\beta`.
     """
-    released = {
-        "covariance": "released",
-        "zero_shot": "inmap_both",
-        "fusion": "fixed",
-        "inmap_gamma": 1.0,
-        "inmap_tolerance": None,
-        "bias": "released",
-        "eps": 1e-3,
-        "max_iter": 11,
-        "test_prior": "uniform",
-        "beta_ratio_bound": None,
-        "head_labels": "zero_shot",
-    }
-    return FrolicOptions(**{**released, **overrides})
+    released = FrolicOptions(
+        covariance="released",
+        zero_shot="inmap_both",
+        fusion="fixed",
+        inmap_gamma=1.0,
+        bias="released",
+        test_prior="uniform",
+        head_labels="zero_shot",
+        solver=SolverOptions(eps=1e-3, max_iter=11, beta_ratio_bound=None, inmap_tolerance=None),
+    )
+    return resolve_options(released, **overrides)
 
 
 def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> FrolicOptions:
     """``options`` (default :class:`FrolicOptions`) with ``overrides`` applied and validated.
 
+    ``overrides`` are :class:`FrolicOptions` fields. ``solver=`` takes a
+    :class:`SolverOptions` (the whole group) or a mapping of some of its fields, applied over
+    ``options.solver`` (``released_options(solver={"max_iter": 5})`` keeps the released
+    ``eps``).
+
     Raises:
-        TypeError: ``options`` is not a :class:`FrolicOptions`, or an override is not one of
-            its fields.
+        TypeError: ``options`` is not a :class:`FrolicOptions`, an override is not one of its
+            fields (a solver field passed flat, ``eps=...``, says how to nest it), or a
+            ``solver`` mapping has keys that are not :class:`SolverOptions` fields.
     """
     if options is None:
         options = FrolicOptions()
     elif not isinstance(options, FrolicOptions):
         raise TypeError(f"Expected `options` to be a FrolicOptions, but got {options!r}")
+    flat = [name for name in SOLVER_FIELDS if name in overrides]
+    if flat:
+        example = ", ".join(f"{name}=..." for name in flat)
+        nested = ", ".join(f"{name!r}: ..." for name in flat)
+        raise TypeError(
+            f"Expected the solver options {flat} inside `solver`, but got them as keyword "
+            f"arguments: they are SolverOptions fields; pass solver=SolverOptions({example}) "
+            f"or solver={{{nested}}}"
+        )
     names = {f.name for f in fields(FrolicOptions)}
     unknown = sorted(set(overrides) - names)
     if unknown:
@@ -263,4 +358,6 @@ def resolve_options(options: FrolicOptions | None = None, **overrides: Any) -> F
             f"Expected keyword arguments among the FrolicOptions fields {sorted(names)}, "
             f"but got {unknown}"
         )
+    if "solver" in overrides:
+        overrides["solver"] = solver_options(overrides["solver"], base=options.solver)
     return replace(options, **overrides) if overrides else options

@@ -157,12 +157,13 @@ def fit_frolic(
     if keep_logits:  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
         buffer, scratch = (_new_buffer(features, k) for _ in range(2))
         zero_shot = fill(scratch, zero_shot)
-    box = None if options.beta_ratio_bound is None else math.log(options.beta_ratio_bound) / 2
+    bound = options.solver.beta_ratio_bound
+    box = None if bound is None else math.log(bound) / 2
     match = partial(
         fit_label_bias,
-        eps=options.eps,
-        max_iter=options.max_iter,
-        prior_floor=options.prior_floor,
+        eps=options.solver.eps,
+        max_iter=options.solver.max_iter,
+        prior_floor=options.solver.prior_floor,
         reduce_fn=reduce_fn,
     )
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
@@ -189,15 +190,15 @@ def fit_frolic(
         gaussian = estimate.head
         zero_shot_bias = estimate.bias if options.bias == "soft" else None
         if zero_shot_bias is not None:
-            head_eps = min(options.eps, HEAD_LABELS_EPS)
-            warn_about_match(zero_shot_bias, k, options.max_iter, head_eps, ZERO_SHOT_BETA)
+            head_eps = min(options.solver.eps, HEAD_LABELS_EPS)
+            warn_about_match(zero_shot_bias, k, options.solver.max_iter, head_eps, ZERO_SHOT_BETA)
     elif debias_head:
         report("zero-shot prior")
         zero_shot_bias = match(
             zero_shot,
             method="soft",
             bound=box,
-            eps=min(options.eps, HEAD_LABELS_EPS),
+            eps=min(options.solver.eps, HEAD_LABELS_EPS),
             name=ZERO_SHOT_BETA,
         )
         packed = posterior_sums(zero_shot, zero_shot_bias.log_offset, features)
@@ -238,15 +239,15 @@ def fit_frolic(
         bias = estimate.bias if options.bias == "soft" else None
     else:
         bias = None
-    test_prior = None if estimate is None else floored(estimate.prior, options.prior_floor)
+    test_prior = None if estimate is None else floored(estimate.prior, options.solver.prior_floor)
     report("label bias")
     if bias is None:
-        tight = {"eps": min(options.eps, HEAD_LABELS_EPS)} if debias_head else {}
+        tight = {"eps": min(options.solver.eps, HEAD_LABELS_EPS)} if debias_head else {}
         if debias_head and zero_shot_bias is not None:  # f_g carries no label bias of its own:
             tight["init"] = zero_shot_bias.beta  # f_f's starts near f_c's (a warm start)
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
-        warn_about_match(bias, k, options.max_iter, options.eps, FUSED_BETA)
+        warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
     if zero_shot_bias is None:
         report("zero-shot prior")
         zero_shot_bias = match(
@@ -298,7 +299,8 @@ def _fuse(
     if options.fusion == "fixed":  # the released script's equal scales
         tau_g = tau_c
     else:
-        tau_g = match_temperature(gda, zero_shot, 1.0, reduce_fn=reduce_fn)
+        tol = options.solver.temperature_tol
+        tau_g = match_temperature(gda, zero_shot, 1.0, tol=tol, reduce_fn=reduce_fn)
     if buffer is None:
         return tau_g, fused_map(z, gaussian, tau_c, tau_g).source(features, chunk_size)
     for start, chunk in zero_shot.chunks():
@@ -327,13 +329,13 @@ def _test_prior(
         source,
         sums,
         shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
-        evidence=options.shift_evidence,
-        rounds=options.prior_rounds,
-        tol=options.prior_tol,
-        match_eps=min(options.eps, HEAD_LABELS_EPS) if head else options.eps,
-        match_max_iter=options.max_iter,
-        start_passes=options.max_iter if head else None,
-        prior_floor=options.prior_floor,
+        evidence=options.solver.shift_evidence,
+        rounds=options.solver.prior_rounds,
+        tol=options.solver.prior_tol,
+        match_eps=min(options.solver.eps, HEAD_LABELS_EPS) if head else options.solver.eps,
+        match_max_iter=options.solver.max_iter,
+        start_passes=options.solver.max_iter if head else None,
+        prior_floor=options.solver.prior_floor,
         bound=bound,
         reduce_fn=reduce_fn,
         chunk_size=chunk_size,
@@ -341,7 +343,7 @@ def _test_prior(
     )
     if not estimate.converged:
         warnings.warn(
-            f"the test prior's mixture weights did not reach prior_tol={options.prior_tol} "
+            f"the test prior's mixture weights did not reach prior_tol={options.solver.prior_tol} "
             "within their cap of passes; the test prior is reported as converged: false",
             UserWarning,
             stacklevel=4,
@@ -373,5 +375,5 @@ def text_test_prior(
     text = dataclasses.replace(options, zero_shot="text")
     kwargs = {"sums": sums, "reduce_fn": reduce_fn, "chunk_size": chunk_size}
     fit = fit_frolic(features, prototypes, text, tau_c=tau_c, **kwargs)
-    return floored(fit.priors.test_prior, options.prior_floor)
+    return floored(fit.priors.test_prior, options.solver.prior_floor)
 

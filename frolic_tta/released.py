@@ -15,12 +15,12 @@ computes something other than the paper's Algorithm 1 (:func:`~frolic_tta.paper_
    are kept). They replace :math:`f_c` and :math:`f_g`.
 3. **Fixed scales** (``fusion="fixed"``): :math:`f_f = (f_g + f_c)/\tau_c`, the script's
    ``100 * InMap_logits_v3 + 100 * InMap_logits_v1``; no :math:`\tau_g` matching.
-4. **Label bias** (``bias="released"``, :func:`released_label_bias`): ``max_iter`` (11) rounds;
-   each keeps the samples whose two largest current logits differ by more than :math:`1/K`,
-   labels them by argmax, forms :math:`P_{kj}` = the mean softmax probability of class
-   :math:`j` over the samples labelled :math:`k` (a zero row for an empty class), takes the
-   power iteration of :math:`P^\top` from uniform (tolerance ``eps`` = 0.001 in L1, at most 100
-   steps, the iterate *before* the one that met the tolerance), and subtracts
+4. **Label bias** (``bias="released"``, :func:`released_label_bias`): ``solver.max_iter``
+   (11) rounds; each keeps the samples whose two largest current logits differ by more than
+   :math:`1/K`, labels them by argmax, forms :math:`P_{kj}` = the mean softmax probability of
+   class :math:`j` over the samples labelled :math:`k` (a zero row for an empty class), takes
+   the power iteration of :math:`P^\top` from uniform (tolerance ``solver.eps`` = 0.001 in L1,
+   at most 100 steps, the iterate *before* the one that met the tolerance), and subtracts
    :math:`\ln(p + 10^{-12})` from the logits. :math:`\hat\beta` is the normalised product of
    the rounds' :math:`p + 10^{-12}`.
 

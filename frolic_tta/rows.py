@@ -64,9 +64,9 @@ class RowContext:
         target or labels)."""
         return fit_label_bias(
             logits.source(self.features, self.chunk_size),
-            eps=self.options.eps,
-            max_iter=self.options.max_iter,
-            prior_floor=self.options.prior_floor,
+            eps=self.options.solver.eps,
+            max_iter=self.options.solver.max_iter,
+            prior_floor=self.options.solver.prior_floor,
             reduce_fn=self.reduce_fn,
             **kwargs,
         ).log_offset
@@ -147,7 +147,7 @@ def _debiased_zero_shot(ctx: RowContext) -> AffineMap:
 def _inmap(ctx: RowContext) -> AffineMap:
     """InMaP alone: the proxies of the fit (``zero_shot`` "inmap" / "inmap_both"), else InMaP's
     own proxies learned now from the text prototypes (:func:`~frolic_tta.inmap.fit_proxies`,
-    the stopping rule of ``inmap_tolerance``), at their temperature."""
+    the stopping rule of ``solver.inmap_tolerance``), at their temperature."""
     head = ctx.head
     if ctx.options.zero_shot != "text":
         proxies, temperature = head.prototypes.to(torch.float64), head.tau_c

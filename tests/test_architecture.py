@@ -16,7 +16,7 @@ import torch
 import frolic_tta
 from frolic_tta.logits import AffineMap
 from frolic_tta.metrics import ROW_METRICS, metric_key, row_accuracies, row_metrics
-from frolic_tta.options import FrolicOptions
+from frolic_tta.options import SOLVER_FIELDS, FrolicOptions, SolverOptions
 from frolic_tta.rows import ROWS, available_rows
 from frolic_tta.synthetic import clip_world
 
@@ -68,13 +68,13 @@ def test_one_registry_of_rows_drives_results_metrics_and_reports():
 def test_one_options_vocabulary_for_functions_and_module():
     from frolic_tta.lightning import FrolicModule
 
-    names = {f.name for f in fields(FrolicOptions)}
+    names = {f.name for f in fields(FrolicOptions)} | set(SOLVER_FIELDS)
     for function in (frolic_tta.frolic, frolic_tta.fit_frolic, FrolicModule.__init__):
         params = set(inspect.signature(function).parameters)
         assert "options" in params and not names & params, function.__qualname__
     x, z = torch.randn(40, 4), torch.randn(3, 4)
-    result = frolic_tta.frolic(x, z, bias="paper", eps=0.05, normalize=False)
-    assert result.options == FrolicOptions(bias="paper", eps=0.05)
+    result = frolic_tta.frolic(x, z, bias="paper", solver={"eps": 0.05}, normalize=False)
+    assert result.options == FrolicOptions(bias="paper", solver=SolverOptions(eps=0.05))
     with pytest.raises(TypeError, match=r"FrolicOptions fields"):
         frolic_tta.frolic(torch.randn(5, 4), torch.randn(3, 4), covariance_type="soft")
 

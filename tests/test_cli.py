@@ -16,7 +16,7 @@ import torch
 import yaml
 from PIL import Image
 
-from frolic_tta import FrolicClassifier, FrolicHead
+from frolic_tta import FrolicClassifier, FrolicHead, FrolicOptions, SolverOptions
 from frolic_tta.clip.loading import WeightsNotFoundError, load_open_clip
 from frolic_tta.lightning.cli import FrolicCLI, main
 from frolic_tta.rows import ROWS
@@ -294,16 +294,35 @@ def test_print_config_round_trips(configs, tmp_path, capsys):
 def test_frolic_options_are_one_group_validated_before_any_model_loads(tiny_clip, tmp_path, capsys):
     parser = ParseOnly(args=EUROSAT, run=False).parser
     parsed = parser.parse_args(
-        [*EUROSAT, "--model.options.bias", "paper", "--model.options.eps", "0.05"]
+        [*EUROSAT, "--model.options.bias", "paper", "--model.options.solver.eps", "0.05"]
     )
-    assert parsed.model.options.bias == "paper" and parsed.model.options.eps == 0.05
+    assert parsed.model.options.bias == "paper" and parsed.model.options.solver.eps == 0.05
+    assert parsed.model.options.solver.max_iter == 100  # the other solver fields keep defaults
     missing = ["--model.pretrained", str(tmp_path / "missing.pt"), "--data.root", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:  # the bad option, not missing data or weights
-        main(["predict", *EUROSAT, *missing, "--model.options.eps", "-1"])
+        main(["predict", *EUROSAT, *missing, "--model.options.solver.eps", "-1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Expected `eps` to be a finite number > 0, but got -1.0" in err
     assert "missing.pt" not in err and "not found" not in err
+
+
+def test_solver_options_nest_on_the_command_line_and_in_a_config(tmp_path, capsys):
+    config = tmp_path / "solver.yaml"
+    config.write_text("model:\n  options:\n    bias: paper\n    solver: {eps: 0.001, max_iter: 11}")
+    parser = ParseOnly(args=EUROSAT, run=False).parser
+    parsed = parser.parse_args([*EUROSAT, "--config", str(config)])
+    solver = parsed.model.options.solver
+    assert (solver.eps, solver.max_iter, solver.prior_tol) == (0.001, 11, 1e-7)
+    parsed = parser.parse_args([*EUROSAT, "--config", str(config),
+                                "--model.options.solver.beta_ratio_bound", "null"])  # fmt: skip
+    assert parsed.model.options.solver.beta_ratio_bound is None
+    assert parsed.model.options.solver.eps == 0.001  # the config's, not reset by the flag
+    options = FrolicOptions(**parsed.model.options.as_dict())
+    assert options.solver == SolverOptions(eps=0.001, max_iter=11, beta_ratio_bound=None)
+    with pytest.raises(SystemExit):  # flat, as before the solver group: not an option
+        parser.parse_args([*EUROSAT, "--model.options.eps", "0.001"])
+    assert "model.options.eps" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- bad input, smoke runs, re-use

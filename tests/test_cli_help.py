@@ -49,7 +49,7 @@ def test_predict_help_is_short_plain_and_lists_the_data_options(capsys, monkeypa
     for option in ("--trainer.devices", "--trainer.strategy", "--trainer.precision",
                    "--trainer.limit_predict_batches", "--model.model_name", "--output_dir",
                    "--model.options.bias", "--report.plots", "--ckpt_path",
-                   "--model.options.prior_tol 1e-07"):  # fmt: skip
+                   "--model.options.solver.prior_tol 1e-07"):  # fmt: skip
         assert option in text, option
     assert "known subclasses" not in text and "Linked arguments" not in text
 

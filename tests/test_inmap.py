@@ -73,7 +73,9 @@ def test_proxies_beat_the_text_prototypes_and_frolic_adds_to_them(world):
     inmap = accuracy(world.features, proxies, world.labels)
     assert inmap > text + 0.1  # measured: 0.30 -> 0.47
     # InMaP's own proxies: equal class masses (a balanced test prior), all 2,000 steps
-    options = FrolicOptions(zero_shot="inmap", test_prior="uniform", inmap_tolerance=None)
+    options = FrolicOptions(
+        zero_shot="inmap", test_prior="uniform", solver={"inmap_tolerance": None}
+    )
     result = frolic_tta.frolic(world.features, world.prototypes, options)
     torch.testing.assert_close(result.head.prototypes, proxies, rtol=0, atol=1e-6)
     assert result.head.tau_c == 0.04
@@ -188,7 +190,8 @@ def test_labels_balanced_to_a_shifted_prior_stop_at_the_relative_test():
     x, z = world.features, world.prototypes
     pi = text_test_prior(x, z, 0.01, None, FrolicOptions(), identity_reduce, None)
     assert convergence(FrolicOptions()) == {"tolerance": 1e-6, "relative_tolerance": 1e-3}
-    assert convergence(FrolicOptions(inmap_tolerance=None))["relative_tolerance"] is None
+    fixed_steps = FrolicOptions(solver={"inmap_tolerance": None})
+    assert convergence(fixed_steps)["relative_tolerance"] is None
     absolute = fit_proxies(x, z, target=pi, tolerance=1e-6)
     relative = fit_proxies(x, z, target=pi, tolerance=1e-6, relative_tolerance=RELATIVE_TOLERANCE)
     full = fit_proxies(x, z, target=pi)

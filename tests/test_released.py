@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import frolic_tta
 from frolic_tta.logits import TensorLogits
-from frolic_tta.options import FrolicOptions, released_options
+from frolic_tta.options import FrolicOptions, SolverOptions, released_options
 from frolic_tta.released import released_label_bias
 from frolic_tta.synthetic import clip_like_world, shifted_prior
 from tests.sharding import run_sharded
@@ -138,14 +138,16 @@ def test_released_preset_equals_the_transcribed_script(world):
 
 
 def test_released_preset_is_its_options():
-    options = released_options(max_iter=5)
+    options = released_options(solver={"max_iter": 5})  # over the released solver group
     assert (options.covariance, options.zero_shot, options.fusion) == (
         "released",
         "inmap_both",
         "fixed",
     )
-    assert (options.bias, options.test_prior, options.max_iter) == ("released", "uniform", 5)
-    assert options.inmap_tolerance is None and options.inmap_gamma == 1.0
+    assert (options.bias, options.test_prior, options.inmap_gamma) == ("released", "uniform", 1.0)
+    assert options.solver == SolverOptions(
+        eps=1e-3, max_iter=5, beta_ratio_bound=None, inmap_tolerance=None
+    )
     with pytest.raises(ValueError, match=r"Expected `fusion` to be one of \('matched', 'fixed'\)"):
         FrolicOptions(fusion="x100")
     with pytest.raises(ValueError, match="Expected `shrinkage` 'auto' or None with covariance="):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from frolic_tta import FrolicModule
+from frolic_tta import FrolicModule, FrolicOptions, SolverOptions
 from frolic_tta.lightning.writer import concat_outputs
 from tests.test_module import TEMPLATES, loader, make_module, make_trainer
 
@@ -98,3 +100,19 @@ def test_head_only_checkpoint_reloaded_with_changed_weights_is_refused(tiny_clip
 def test_constructor_arguments_are_checked_when_built(tiny_clip, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_module(tiny_clip, **kwargs)
+
+
+def test_checkpoint_with_the_flat_options_of_older_versions_loads(adapted, tmp_path):
+    """Checkpoints written before the solver group kept ``eps``, ``max_iter``, ... flat."""
+    module, _, full, _, _ = adapted
+    state = torch.load(full, weights_only=True)
+    nested = state["hyper_parameters"]["options"]
+    assert nested["solver"] == asdict(SolverOptions())  # written nested now
+    flat = {k: v for k, v in nested.items() if k != "solver"} | nested["solver"] | {"eps": 0.05}
+    del flat["temperature_tol"]  # not a field then
+    state["hyper_parameters"]["options"] = flat
+    torch.save(state, tmp_path / "flat.ckpt")
+    restored = FrolicModule.load_from_checkpoint(tmp_path / "flat.ckpt")
+    assert restored.options == FrolicOptions(solver=SolverOptions(eps=0.05))
+    assert restored.hparams["options"]["solver"]["eps"] == 0.05
+    torch.testing.assert_close(restored.head.debiased().weight, module.head.debiased().weight)

@@ -273,7 +273,8 @@ def test_shipped_sweeps_plan_the_paper_grid(name, capsys):
             assert config.model.prompts_file is None
         if run.options == "released":
             assert config.model.options.zero_shot == "inmap_both"
-            assert config.model.options.inmap_tolerance is None
+            assert config.model.options.solver.inmap_tolerance is None
+            assert config.model.options.solver.max_iter == 11
     assert main(["--config", str(path), "--dry_run"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("# 1.") and len(printed) == 2 + len(runs)

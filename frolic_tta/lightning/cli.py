@@ -237,8 +237,9 @@ class FrolicCLI(LightningCLI):
                     f"--model.head_file '{head_file}': pass one of them"
                 )
             config["model"]["head_file"], config["ckpt_path"] = str(ckpt_path), None
-        if model.get("options") is not None:
-            FrolicOptions(**dict(model["options"]))
+        options = model.get("options")
+        if options is not None:  # a Namespace, its `solver` group a nested one
+            FrolicOptions(**(options.as_dict() if hasattr(options, "as_dict") else options))
         check_tau_c(model.get("tau_c", "model"))
         resolve_templates(model.get("templates", "openai"))
         if model.get("prompts_file"):

@@ -80,7 +80,7 @@ from frolic_tta.lightning.progress import FinalizeProgress
 from frolic_tta.lightning.provenance import check_provenance
 from frolic_tta.lightning.store import FeatureStoreWriter, writes_store
 from frolic_tta.metrics import FrolicMoments
-from frolic_tta.options import FrolicOptions
+from frolic_tta.options import FrolicOptions, options_from_dict
 from frolic_tta.pipeline import fit_frolic
 
 
@@ -103,7 +103,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             overrides it. The value used is ``self.tau_c`` (``hparams["tau_c"]`` keeps the
             argument).
         options: the estimator's :class:`~frolic_tta.options.FrolicOptions` (covariance,
-            shrinkage, label-bias method, tolerance); ``--model.options.<field>`` on the CLI.
+            shrinkage, ...; tolerances in ``options.solver``): ``--model.options.<field>``,
+            ``--model.options.solver.<field>``; older checkpoints' flat dicts load too.
         ablations: with labels, score every Table 3/4 row (extra passes), else only f_d.
         return_logits: return ``(n, K)`` logits per batch. ``False`` also keeps finalize free of
             any ``(N, K)`` tensor (logits recomputed chunk by chunk; for very large K).
@@ -146,7 +147,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         # the CLI (and load_from_checkpoint) hand over a dict; hparams keep plain values
-        self.options = options if isinstance(options, FrolicOptions) else FrolicOptions(**options)
+        self.options = options if isinstance(options, FrolicOptions) else options_from_dict(options)
         self.hparams["options"] = asdict(self.options)
         fixed_tau_c = check_tau_c(tau_c)  # bad values fail before any weights load
         self.class_names = check_class_names(class_names)

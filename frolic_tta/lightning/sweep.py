@@ -62,7 +62,7 @@ from frolic_tta.lightning.sweep_files import (
     terminated,
 )
 from frolic_tta.lightning.tables import collect_results, write_atomically, write_results
-from frolic_tta.options import FrolicOptions
+from frolic_tta.options import resolve_options
 
 __all__ = [
     "Run", "SweepError", "cli_args", "dry_run", "load_sweep", "main", "plan_runs", "run_sweep",
@@ -132,7 +132,8 @@ def _named(value: Any, what: str) -> dict[str, dict[str, Any]]:
 
 
 def load_sweep(path: str | Path) -> dict[str, Any]:
-    """Read and check a sweep config (options are validated as :class:`FrolicOptions`).
+    """Read and check a sweep config (options are validated as :class:`FrolicOptions`, the
+    solver's under ``solver:``).
 
     Raises:
         SweepError: a missing file, an unknown key, or an invalid entry.
@@ -152,7 +153,7 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     config["options"] = _named(config.get("options"), "options")
     for name, options in config["options"].items():
         try:
-            FrolicOptions(**options)
+            resolve_options(None, **options)  # a flat solver key says how to nest it
         except (TypeError, ValueError) as error:
             raise SweepError(f"options {name!r}: {error}") from None
     config.setdefault("runner", "subprocess")
