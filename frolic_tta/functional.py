@@ -92,8 +92,8 @@ def frolic(
         features: ``(N, d)`` image features (this shard's, with ``reduce_fn``).
         prototypes: ``(K, d)`` text prototypes :math:`z_j`.
         options: :class:`~frolic_tta.options.FrolicOptions` (default: the defaults); keyword
-            ``overrides`` of its fields (``covariance="paper"``, ``bias="paper"``, ``solver={"eps": ...}``)
-            are applied on top.
+            ``overrides`` of its fields (``covariance="paper"``, ``bias="paper"``,
+            ``solver={"eps": ...}``) are applied on top.
         tau_c: zero-shot temperature; the default 0.01 is OpenAI CLIP's learned
             :math:`1/\exp(\text{logit\_scale})` (the paper's value); for another model pass its
             own (``frolic_tta.clip.model_temperature(model)``).
