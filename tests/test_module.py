@@ -208,11 +208,12 @@ def test_batch_without_index_is_rejected(tiny_clip):
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """1 vs 2 processes: open_clip's encoder output depends on which images share a batch in
     the last float32 bit (measured: 6e-8), and DDP changes batch composition; the random tiny
-    model's unshrunk covariance amplifies that to ~2e-5 of the logit scale (and 3e-5 in beta).
-    With identical features the sharded estimator agrees to 1e-6 (tests/test_sharded_core.py).
+    model's unshrunk covariance amplifies that to ~2e-5 of the logit scale under torch 2.13 and
+    1.02e-4 under 2.14.1 (one logit of 303, N = 101; predictions identical). With identical
+    features the sharded estimator agrees to 1e-6 (tests/test_sharded_core.py).
     """
     scale = float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4 * scale)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=3e-4 * scale)
 
 
 def run_ddp_script(tiny_clip, n: int, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
