@@ -72,34 +72,50 @@ class _StartSums:
         return _StartSums(_ConfidenceSums.unpack(packed[:4]), packed[4])
 
 
-def _confidence_sums(source: LogitSource, temperature: float) -> _ConfidenceSums:
+_EXACT_BELOW = 1e-9
+"""Rows whose :math:`r` (the softmax mass off the top class) is below this are summed again
+with the top class left out (the float64 sum of all classes minus 1 is exact to ~1e-15)."""
+
+
+def _confidence_sums(
+    source: LogitSource, temperature: float, margin: bool = False
+) -> _ConfidenceSums:
     r"""The :class:`_ConfidenceSums` of the local shard at ``temperature``.
 
     The confidence *deficit* :math:`1 - p_{\max}` is summed instead of :math:`p_{\max}`, and
     computed without cancellation: with :math:`e_j = \exp((f_j - f_a)/\tau)` for the top class
     :math:`a` and :math:`r = \sum_{j \ne a} e_j`, :math:`1 - p_{\max} = r/(1 + r)` and
     :math:`d(1 - p_{\max})/d\ln\tau = \sum_{j \ne a} e_j (f_a - f_j)/\tau\,/\,(1 + r)^2` (no
-    term that rounds to 1). So confident data keep their deficit (down to about 1e-38 in
-    float32) where :math:`p_{\max}` itself rounds to 1. The last entry, the logit spread
-    :math:`\max_j f_{ij} - \operatorname{mean}_j f_{ij}`, gives a first guess.
+    term that rounds to 1; a class tied with the top one adds its :math:`e_j = 1` to
+    :math:`r`). So confident data keep their deficit (down to about 1e-38 in float32) where
+    :math:`p_{\max}` itself rounds to 1. With ``margin``, the last entry is the logit spread
+    :math:`\sum_i (\max_j f_{ij} - \operatorname{mean}_j f_{ij})`, the first guess (else 0).
     """
     total = torch.zeros(4, dtype=torch.float64)
     for _, logits in source.chunks():
-        scaled = logits / temperature
-        top, arg = scaled.max(dim=1, keepdim=True)
-        gap = top - scaled  # >= 0, 0 at the top class
-        rest = torch.exp(-gap).scatter_(1, arg, 0.0)
-        rest_sum = rest.sum(1)
+        top = logits.amax(dim=1, keepdim=True)
+        scaled = torch.sub(logits, top).div_(temperature)  # <= 0, exactly 0 at the top
+        exp = torch.exp(scaled)
+        # r = sum_j e_j - 1, the sum in float64: exact to ~1e-15, so only rows with r below
+        # 1e-9 (rare but for over-confident data) need the top class left out explicitly
+        rest_sum = exp.sum(1, dtype=torch.float64) - 1.0
+        growth = exp.mul_(scaled).sum(1).neg().double()  # the top class adds 0
+        tiny = (rest_sum < _EXACT_BELOW).nonzero().squeeze(1)
+        if tiny.numel() > 0:
+            rows = scaled[tiny]
+            at_top = rows == 0
+            rest = torch.exp(rows).masked_fill_(at_top, 0.0).sum(1, dtype=torch.float64)
+            rest_sum[tiny] = rest + (at_top.sum(1) - 1).double()  # ties: e_j = 1 each
         norm = 1.0 + rest_sum
         deficit = rest_sum / norm
-        growth = (rest * gap).sum(1) / (norm * norm)
-        margin = logits.max(1).values - logits.mean(1)
+        growth = growth / (norm * norm)
+        spread = (top.squeeze(1) - logits.mean(1)).sum(dtype=torch.float64) if margin else 0.0
         total += torch.stack(
             [
                 torch.tensor(float(logits.shape[0]), dtype=torch.float64),
                 deficit.sum(dtype=torch.float64).cpu(),
                 growth.sum(dtype=torch.float64).cpu(),
-                margin.sum(dtype=torch.float64).cpu(),
+                torch.as_tensor(spread, dtype=torch.float64).cpu(),
             ]
         )
     return _ConfidenceSums.unpack(total)
@@ -110,7 +126,7 @@ def _margin_sum(source: LogitSource) -> Tensor:
     float64."""
     total = torch.zeros((), dtype=torch.float64)
     for _, logits in source.chunks():
-        total += float((logits.max(1).values - logits.mean(1)).sum(dtype=torch.float64))
+        total += float((logits.amax(1) - logits.mean(1)).sum(dtype=torch.float64))
     return total
 
 
@@ -184,7 +200,8 @@ def match_temperature(
         )
     # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c);
     # each source is streamed once.
-    first = _StartSums(_confidence_sums(zero_shot, tau_c), _margin_sum(gda)).reduce(reduce_fn)
+    first = _StartSums(_confidence_sums(zero_shot, tau_c, True), _margin_sum(gda))
+    first = first.reduce(reduce_fn)
     target = float(first.zero_shot.deficit / first.zero_shot.count)  # 1 - conf(f_c, tau_c)
     margin_c, margin_g = float(first.zero_shot.margin), float(first.gda_margin)
     u = math.log(tau_c * margin_g / margin_c) if margin_g > 0 and margin_c > 0 else math.log(tau_c)

@@ -113,9 +113,25 @@ class LinearLogits(LogitSource):
             else:
                 yield start, torch.addmm(self.bias, block, self.weight_t)
 
+    def write(self, buffer: Tensor) -> None:
+        """Every chunk's logits written straight into ``buffer`` ``(N, K)`` (same dtype):
+        the products' output, with no chunk-sized temporary and no copy."""
+        for start in range(0, self.num_samples, self.chunk_size):
+            block = self.features[start : start + self.chunk_size].to(self.dtype)
+            if self.center is not None:
+                block = block - self.center
+            rows = buffer[start : start + block.shape[0]]
+            if self.bias is None:
+                torch.matmul(block, self.weight_t, out=rows)
+            else:
+                torch.addmm(self.bias, block, self.weight_t, out=rows)
+
 
 def fill(buffer: Tensor, source: LogitSource) -> TensorLogits:
     """Write every chunk of ``source`` into ``buffer`` ``(N, K)``; the buffer as a source."""
+    if isinstance(source, LinearLogits) and buffer.dtype == source.dtype:
+        source.write(buffer)
+        return TensorLogits(buffer, source.chunk_size)
     for start, chunk in source.chunks():
         buffer[start : start + chunk.shape[0]] = chunk
     return TensorLogits(buffer, getattr(source, "chunk_size", None))

@@ -121,7 +121,8 @@ def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
     r"""The :class:`_MassSums` of the local shard at ``shift`` (K,); with ``outer``, also
     :math:`\sum_i q_i q_i^\top` (one (K, N) x (N, K) product per chunk).
 
-    One exponential per entry; column sums in the logits' dtype, accumulated in float64.
+    One exponential per entry, in place; column sums in the logits' dtype (pairwise, so their
+    rounding stays far below the tolerances), accumulated in float64.
     """
     k = shift.shape[0]
     count = torch.zeros((), dtype=torch.float64)
@@ -130,9 +131,9 @@ def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
     curvature = torch.zeros(k, dtype=torch.float64)
     products = torch.zeros(k, k, dtype=torch.float64) if outer else None
     for _, logits in source.chunks():
-        shifted = logits + shift.to(logits)
-        top = shifted.max(dim=1, keepdim=True).values
-        posterior = torch.exp_(shifted - top)
+        posterior = torch.add(logits, shift.to(logits))
+        top = posterior.amax(dim=1, keepdim=True)
+        posterior.sub_(top).exp_()
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
         count += logits.shape[0]
@@ -197,8 +198,9 @@ def match_class_masses(
         target: ``(K,)`` test prior :math:`\pi` (positive, sums to 1); ``None``: uniform.
         bound: half the largest :math:`\ln(\max\hat\beta/\min\hat\beta)` (``None``: set by
             ``prior_floor``).
-        eps: stop when :math:`\|\Delta\hat\beta\|_1 < \epsilon` and the projected gradient's L1
-            norm (the class-mass error where no bound is active) is :math:`< \epsilon`.
+        eps: stop when the next diagonal step would move :math:`\hat\beta` by less than
+            :math:`\epsilon` in L1 and the projected gradient's L1 norm (the class-mass error
+            where no bound is active) is :math:`< \epsilon`.
         max_iter: cap on passes.
         prior_floor: :math:`\hat\beta_j \ge` ``prior_floor`` / K.
         reduce_fn: sums a tensor over shards (identity by default).
@@ -255,7 +257,13 @@ def match_class_masses(
     step_size, evaluations, converged = 1.0, 1, False
     while evaluations < max_iter:
         direction = search_direction(b, gradient, sums, hessian)
-        trial = (b - step_size * direction).clamp(-box, box)
+        trial = b - step_size * direction
+        # J ignores a constant added to b: where b's spread fits in the box, the least shift
+        # that keeps it inside, so the gauge's drift never pushes a class into the bound
+        high, low = float(trial.max()), float(trial.min())
+        if high - low <= 2.0 * box:
+            trial = trial - (max(0.0, high - box) - max(0.0, -box - low))
+        trial = trial.clamp(-box, box)
         trial_objective, trial_gradient, trial_sums = evaluate(trial, refresh)
         evaluations += 1
         decrease = 1e-4 * float((gradient * (b - trial)).sum())  # Armijo, <= 0
@@ -282,7 +290,11 @@ def match_class_masses(
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
         beta = new
-        if change < eps and norm < eps or change == 0.0:
+        # the next diagonal step's change of beta-hat: what is left (the last step's change
+        # overstates it where the steps converge fast, and would cost a pass more)
+        ahead = (b - search_direction(b, gradient, sums, None)).clamp(-box, box)
+        next_change = float((torch.softmax(ahead, 0) - beta).abs().sum())
+        if next_change < eps and norm < eps or change == 0.0:
             converged = True
             break
         if sums.outer is not None:

@@ -41,18 +41,32 @@ class _MixtureSums:
 
 
 def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
-    """One pass over the component log-likelihoods ``g`` of the local shard (float64 sums)."""
+    r"""One pass over the component log-likelihoods ``g`` of the local shard (float64 sums).
+
+    One exponential per entry: with :math:`e_{ij} = \exp(g_{ij} - \max_k g_{ik})` and the
+    weights scaled to :math:`w = \pi/\max_k\pi_k`, both log-partitions are
+    :math:`\max_k g_{ik} + \ln\sum_j e_{ij}` and :math:`\ldots + \ln (e w)_i + \ln\max_k\pi_k`,
+    and the responsibilities' column sums :math:`w_j \sum_i e_{ij}/(e w)_i` (a row's
+    :math:`(e w)_i` is floored at float32's smallest normal, reached only where its classes'
+    weights are below :math:`10^{-38}` of the largest).
+    """
     k = source.num_classes
     total = torch.zeros(3, dtype=torch.float64)
     responsibility = torch.zeros(k, dtype=torch.float64)
+    top_prior = float(log_prior.max())
+    weights = torch.exp(log_prior - top_prior)
     for _, logits in source.chunks():
-        uniform = torch.logsumexp(logits, dim=1).sum(dtype=torch.float64)
-        shifted = logits + log_prior.to(logits)
-        norm = torch.logsumexp(shifted, dim=1, keepdim=True)
+        scaled = weights.to(logits)
+        tiny = torch.finfo(logits.dtype).tiny
+        top = logits.amax(dim=1, keepdim=True)
+        exp = torch.sub(logits, top).exp_()
+        norm = torch.mul(exp, scaled).sum(1).clamp_(min=tiny)  # (n,), pairwise
         total[0] += logits.shape[0]
-        total[1] += float(norm.sum(dtype=torch.float64))
-        total[2] += float(uniform) - logits.shape[0] * math.log(k)
-        responsibility += torch.exp_(shifted.sub_(norm)).sum(0).double().cpu()
+        top = top.squeeze(1).double()
+        total[1] += float((top + norm.log().double()).sum()) + logits.shape[0] * top_prior
+        total[2] += float((top + exp.sum(1).log().double()).sum()) - logits.shape[0] * math.log(k)
+        column = exp.div_(norm.unsqueeze(1)).sum(0)  # pairwise: rounding far below tol
+        responsibility += (column * scaled).double().cpu()
     return _MixtureSums(total[0], total[1], total[2], responsibility)
 
 

@@ -376,4 +376,3 @@ def text_test_prior(
     kwargs = {"sums": sums, "reduce_fn": reduce_fn, "chunk_size": chunk_size}
     fit = fit_frolic(features, prototypes, text, tau_c=tau_c, **kwargs)
     return floored(fit.priors.test_prior, options.solver.prior_floor)
-

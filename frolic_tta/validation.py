@@ -240,10 +240,15 @@ def check_samples_everywhere(
 
     if sums is not None and prototypes is not None:
         check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
-    local = (~torch.isfinite(features)).any(dim=1).sum() if features.numel() else 0
+    local = 0
+    if features.numel():  # a NaN or inf makes its row's sum non-finite: only those rows are
+        suspect = ~torch.isfinite(features.sum(1))  # looked at entry by entry (one cheap pass)
+        if bool(suspect.any()):
+            local = int((~torch.isfinite(features[suspect])).any(dim=1).sum())
     counts = torch.tensor([float(local), float(features.shape[0])], dtype=torch.float64)
-    if sums is not None:
-        counts = torch.cat([counts, features.to(torch.float64).sum(0).cpu()])
+    if sums is not None:  # column sums in float32 (float64 input: float64): far inside the
+        wide = torch.float64 if features.dtype == torch.float64 else torch.float32  # 1e-6 N test
+        counts = torch.cat([counts, features.sum(0, dtype=wide).to(torch.float64).cpu()])
     reduced = reduce_fn(counts)
     bad, total = (int(v) for v in reduced[:2].tolist())
     if bad:
