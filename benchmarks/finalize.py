@@ -51,7 +51,7 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
             "mode": mode,
             "n_run": n,
             "geometry": "imagenet-like",
-            "chunk_size": 8192,
+            "chunk_size": None,  # the module's default: about 2M logits per chunk
             "keep_logits": True,
             **kw,
         }
