@@ -1,14 +1,17 @@
 r"""The adapted classifier: everything Algorithm 1 learns, as one affine map.
 
 .. math::
-    f_d(x) = \underbrace{f_g(x)/\tau_g + f_c(x)/\tau_c}_{f_f\ \text{(Eq. 12)}} - \ln\hat\beta
-    + \ln\hat\pi \quad\text{(Eq. 13)} = A(x - \hat\mu) + c,\qquad
-    A = W/\tau_g + Z/\tau_c,\quad c = b/\tau_g + Z\hat\mu/\tau_c - \ln\hat\beta + \ln\hat\pi,
+    f_d(x) = \underbrace{\omega(f_g(x)/\tau_g + f_c(x)/\tau_c)}_{f_f\ \text{(Eq. 12)}}
+    - \ln\hat\beta + \ln\hat\pi \quad\text{(Eq. 13)} = A(x - \hat\mu) + c,\qquad
+    A = \omega(W/\tau_g + Z/\tau_c),\quad
+    c = \omega(b/\tau_g + Z\hat\mu/\tau_c) - \ln\hat\beta + \ln\hat\pi,
 
 with :math:`f_g(x) = W(x - \hat\mu) + b` the centred GDA head (Eq. 9 up to a constant per
 sample, see :mod:`frolic_tta.gda`), :math:`f_c(x) = Zx` (Eq. 2), :math:`\hat\beta` the
 pre-training label bias and :math:`\hat\pi` the test set's class prior (uniform in the paper,
-where :math:`\ln\hat\pi` is a constant). Shapes: K classes, d embedding dim.
+where :math:`\ln\hat\pi` is a constant) and :math:`\omega` the pool weight (1 in Eq. 12,
+1/2 with ``fusion="pooled"``, :func:`frolic_tta.calibration.pool_weight`).
+Shapes: K classes, d embedding dim.
 """
 
 from __future__ import annotations
@@ -22,11 +25,19 @@ from frolic_tta.gda import GaussianHead
 from frolic_tta.logits import AffineMap
 
 
-def fused_map(prototypes: Tensor, gaussian: GaussianHead, tau_c: float, tau_g: float) -> AffineMap:
-    r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu` (float64)."""
+def fused_map(
+    prototypes: Tensor,
+    gaussian: GaussianHead,
+    tau_c: float,
+    tau_g: float,
+    pool_weight: float = 1.0,
+) -> AffineMap:
+    r""":math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)` (Eq. 12; :math:`\omega` =
+    ``pool_weight``, 1 in the paper, see :func:`~frolic_tta.calibration.pool_weight`), centred
+    at :math:`\hat\mu` (float64)."""
     z = prototypes.to(torch.float64)
-    weight = gaussian.weight / tau_g + z / tau_c
-    bias = gaussian.bias / tau_g + (z @ gaussian.center) / tau_c
+    weight = (gaussian.weight / tau_g + z / tau_c) * pool_weight
+    bias = (gaussian.bias / tau_g + (z @ gaussian.center) / tau_c) * pool_weight
     return AffineMap(weight, bias, gaussian.center)
 
 
@@ -44,6 +55,8 @@ class FrolicHead:
         test_prior: ``(K,)`` the test set's class prior :math:`\hat\pi` (``None``: uniform).
         zero_shot_beta: ``(K,)`` the zero-shot model's pre-training prior (Proposition 2 on
             :math:`f_c/\tau_c`), used by the debiased zero-shot row (``None``: not estimated).
+        pool_weight: :math:`\omega` of :math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)`: 1 (Eq. 12)
+            or 0.5 (``fusion="pooled"``, :func:`~frolic_tta.calibration.pool_weight`).
     """
 
     prototypes: Tensor
@@ -53,6 +66,7 @@ class FrolicHead:
     beta: Tensor
     test_prior: Tensor | None = None
     zero_shot_beta: Tensor | None = None
+    pool_weight: float = 1.0
 
     def log_offset(self, beta: Tensor | None = None) -> Tensor:
         r"""``(K,)`` :math:`\ln\hat\pi - \ln\hat\beta` (of ``beta`` if given)."""
@@ -67,8 +81,8 @@ class FrolicHead:
         return AffineMap(z, torch.zeros(z.shape[0], dtype=torch.float64))
 
     def fused(self) -> AffineMap:
-        r""":math:`f_f = f_g/\tau_g + f_c/\tau_c` (Eq. 12), centred at :math:`\hat\mu`."""
-        return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g)
+        r""":math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)` (Eq. 12), centred at :math:`\hat\mu`."""
+        return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g, self.pool_weight)
 
     def debiased(self) -> AffineMap:
         r""":math:`f_d = f_f - \ln\hat\beta + \ln\hat\pi` (Eq. 13), centred at :math:`\hat\mu`."""
@@ -114,6 +128,7 @@ class FrolicHead:
             "beta": self.beta,
             "test_prior": self.test_prior,
             "zero_shot_beta": self.zero_shot_beta,
+            "pool_weight": self.pool_weight,
         }
 
     @classmethod
@@ -136,6 +151,7 @@ class FrolicHead:
             beta=state["beta"],
             test_prior=state.get("test_prior"),
             zero_shot_beta=state.get("zero_shot_beta"),
+            pool_weight=float(state.get("pool_weight", 1.0)),  # heads saved before: Eq. 12
         )
 
 

@@ -26,9 +26,11 @@ means (:mod:`frolic_tta.released`)."""
 BiasMethod = Literal["soft", "paper", "implicit", "none", "released"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias` (``"released"``: the
 authors' script, :func:`frolic_tta.released.released_label_bias`)."""
-Fusion = Literal["matched", "fixed"]
+Fusion = Literal["matched", "fixed", "pooled"]
 r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
-:math:`\tau_g = \tau_c` (the released script's equal x100 scales)."""
+:math:`\tau_g = \tau_c` (the released script's equal x100 scales); ``"pooled"``: Eq. 11's
+:math:`\tau_g`, then the two experts averaged, :math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)`,
+before the label bias is matched (:func:`frolic_tta.calibration.pool_weight`)."""
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
 test set, the paper's assumption (Proposition 2)."""
@@ -220,8 +222,11 @@ class FrolicOptions:
             (:mod:`frolic_tta.prior`; its matchings are solved to :math:`10^{-6}`), or
             ``"zero_shot"``: the raw zero-shot posterior (Eqs. 4-8 as written; the
             paper's and the released script's). ``docs/method.md`` compares them.
-        fusion: ``"matched"`` (default; :math:`\tau_g` by Eq. 11) or ``"fixed"``
-            (:math:`\tau_g = \tau_c`, the released script's equal scales).
+        fusion: ``"pooled"`` (default; :math:`\tau_g` by Eq. 11, then
+            :math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)`: the two experts averaged, not
+            summed, before the label bias is matched, :func:`frolic_tta.calibration.pool_weight`),
+            ``"matched"`` (Eq. 12 as written: the sum, :math:`\tau_g` by Eq. 11; the paper's)
+            or ``"fixed"`` (:math:`\tau_g = \tau_c`, the released script's equal scales).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
             balances the class masses (to the text EM test prior with ``test_prior="em"``,
             ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
@@ -247,7 +252,7 @@ class FrolicOptions:
     test_prior: TestPriorMethod = "em"
     zero_shot: ZeroShot = "text"
     head_labels: HeadLabels = "debiased"
-    fusion: Fusion = "matched"
+    fusion: Fusion = "pooled"
     inmap_gamma: float = 0.0
     solver: SolverOptions = field(default_factory=SolverOptions)
 
@@ -296,6 +301,7 @@ def paper_options(**overrides: Any) -> FrolicOptions:
         bias="paper",
         test_prior="uniform",
         head_labels="zero_shot",
+        fusion="matched",
         solver=SolverOptions(beta_ratio_bound=None),
     )
     return resolve_options(paper, **overrides)

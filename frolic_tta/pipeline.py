@@ -2,7 +2,11 @@ r"""The Frolic pipeline (paper Algorithm 1).
 
 .. math::
     f_c(x) = Z x\ \text{(Eq. 2)},\quad f_g(x) = W x + b\ \text{(Eq. 9)},\quad
-    f_f = f_g/\tau_g + f_c/\tau_c\ \text{(Eq. 12)},\quad f_d = f_f - \ln\hat\beta\ \text{(Eq. 13)}.
+    f_f = \omega(f_g/\tau_g + f_c/\tau_c)\ \text{(Eq. 12)},\quad
+    f_d = f_f - \ln\hat\beta\ \text{(Eq. 13)},
+
+with :math:`\omega = \frac12` (``fusion="pooled"``, the default) or 1 (Eq. 12 as written), see
+:func:`~frolic_tta.calibration.pool_weight`.
 
 :func:`fit_frolic` works on one shard of features and an injected ``reduce_fn``: the moments are
 one reduction, the :math:`\tau_g` search and the :math:`\beta` loop reduce sums at every step,
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from frolic_tta.calibration import match_temperature
+from frolic_tta.calibration import match_temperature, pool_weight
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
 from frolic_tta.head import FrolicHead, fused_map
@@ -253,7 +257,16 @@ def fit_frolic(
         zero_shot_bias = match(
             zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
         )
-    head = FrolicHead(z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta)
+    head = FrolicHead(
+        z,
+        gaussian,
+        tau_c,
+        tau_g,
+        bias.beta,
+        test_prior,
+        zero_shot_bias.beta,
+        pool_weight(options.fusion),
+    )
     if buffer is not None:  # f_f -> f_d
         buffer.add_(head.log_offset().to(buffer))
     priors = Priors(
@@ -290,9 +303,10 @@ def _fuse(
     gaussian: GaussianHead,
     filled: bool = False,
 ) -> tuple[float, LogitSource]:
-    r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12) of ``gaussian``:
-    :math:`f_g`, then :math:`f_f` in ``buffer`` where there is one (``filled``: it already
-    holds :math:`f_g`), else recomputed by chunks."""
+    r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12, weighted by
+    :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
+    in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
+    recomputed by chunks."""
     gda = gaussian.gda().source(features, chunk_size)
     if buffer is not None:
         gda = TensorLogits(buffer, chunk_size) if filled else fill(buffer, gda)
@@ -301,10 +315,13 @@ def _fuse(
     else:
         tol = options.solver.temperature_tol
         tau_g = match_temperature(gda, zero_shot, 1.0, tol=tol, reduce_fn=reduce_fn)
+    weight = pool_weight(options.fusion)
     if buffer is None:
-        return tau_g, fused_map(z, gaussian, tau_c, tau_g).source(features, chunk_size)
+        return tau_g, fused_map(z, gaussian, tau_c, tau_g, weight).source(features, chunk_size)
     for start, chunk in zero_shot.chunks():
-        buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
+        rows = buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
+        if weight != 1.0:
+            rows.mul_(weight)
     return tau_g, TensorLogits(buffer, chunk_size)
 
 

@@ -12,7 +12,7 @@ from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 import frolic_tta
 from frolic_tta import accuracy
-from frolic_tta.calibration import confidence
+from frolic_tta.calibration import confidence, pool_weight
 from frolic_tta.gda import oas_shrinkage
 from frolic_tta.rows import ROWS
 from frolic_tta.synthetic import clip_world, paper_world, prior_shift_world
@@ -196,8 +196,32 @@ def test_ablation_rows_and_linear_head():
     )
     layer = result.head.to_linear()
     torch.testing.assert_close(layer(world.features), result.logits, rtol=1e-5, atol=1e-3)
-    expected = result.gda_logits / result.tau_g + result.zero_shot_logits / 0.01
+    # Eq. 12 with the default pool weight 1/2 (fusion="pooled"): the experts averaged
+    assert result.head.pool_weight == 0.5
+    expected = 0.5 * (result.gda_logits / result.tau_g + result.zero_shot_logits / 0.01)
     torch.testing.assert_close(result.fused_logits, expected, rtol=1e-5, atol=1e-3)
+
+
+def test_pooled_fusion_halves_the_sum_and_keeps_its_argmax():
+    assert (pool_weight("pooled"), pool_weight("matched"), pool_weight("fixed")) == (0.5, 1, 1)
+    with pytest.raises(ValueError, match="Expected `fusion` to be one of"):
+        pool_weight("sum")
+    world = clip_world(num_samples=1500, seed=2)
+    pooled = frolic_tta.frolic(world.features, world.prototypes)
+    summed = frolic_tta.frolic(world.features, world.prototypes, fusion="matched")
+    assert pooled.tau_g == summed.tau_g  # the same Eq. 11; only the weight of the sum differs
+    torch.testing.assert_close(2 * pooled.fused_logits, summed.fused_logits, rtol=1e-5, atol=1e-3)
+    # beta is matched on the pooled f_f: f_d = f_f/2 - ln beta_pooled + ln pi
+    torch.testing.assert_close(
+        pooled.fused_logits + pooled.head.log_offset().float(),
+        pooled.logits,
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    state = pooled.head.state_dict()
+    assert frolic_tta.FrolicHead.from_state_dict(state).pool_weight == 0.5
+    del state["pool_weight"]  # a head saved before the option: Eq. 12's plain sum
+    assert frolic_tta.FrolicHead.from_state_dict(state).pool_weight == 1.0
 
 
 def test_streaming_fit_equals_buffered_fit():

@@ -148,7 +148,8 @@ def test_released_preset_is_its_options():
     assert options.solver == SolverOptions(
         eps=1e-3, max_iter=5, beta_ratio_bound=None, inmap_tolerance=None
     )
-    with pytest.raises(ValueError, match=r"Expected `fusion` to be one of \('matched', 'fixed'\)"):
+    fusions = r"\('matched', 'fixed', 'pooled'\)"
+    with pytest.raises(ValueError, match=rf"Expected `fusion` to be one of {fusions}"):
         FrolicOptions(fusion="x100")
     with pytest.raises(ValueError, match="Expected `shrinkage` 'auto' or None with covariance="):
         FrolicOptions(covariance="released", shrinkage=0.5)

@@ -150,7 +150,8 @@ def test_real_ddp_processes_give_the_single_process_result(reference, tmp_path, 
 def test_few_samples_per_class_with_natural_counts_do_no_harm():
     # K = 50, d = 128, 30 samples per class drawn i.i.d. from a uniform prior, zero-shot 0.93
     # and 0.98: a transductive classifier should match the test set's own counts, not force
-    # them to N/K (the balanced loop costs 1.3 and 0.4 points here)
+    # them to N/K (with Eq. 12's plain sum the balanced loop cost 1.3 and 0.4 points here; with
+    # the pooled fusion both reach 1.0)
     for seed in (0, 1):
         world = clip_like_world(
             1500, 50, 128, noise=0.08, tilt=0.1, text_bias=0.02, seed=seed, sample=True
@@ -161,7 +162,7 @@ def test_few_samples_per_class_with_natural_counts_do_no_harm():
         rows = {k: accuracy(v, world.labels) for k, v in result.ablations().items()}
         assert rows["f_c"] >= 0.9  # a confident, nearly separable world
         assert rows["f_d"] >= max(rows["f_c"], rows["f_f"]) - 0.005
-        assert rows["f_d"] > rows["f_d balanced"]
+        assert rows["f_d"] >= rows["f_d balanced"]
         assert result.priors.shift_weight > 0
 
 

@@ -9,7 +9,9 @@ on purpose:
 commit). The file records the torch version it was saved with: under another torch build the
 tiny encoder's float32 kernels differ (measured: 3e-5 of the logits' scale from torch 2.13 to
 2.14), and so do they with another thread count (1 against 2), so there the values are
-compared to 1e-4 of their scale instead of 1e-6.
+compared to 1e-4 of their scale instead of 1e-6. They were saved under Eq. 12's plain sum, the
+default before issue 15's pooled fusion, so they are computed with ``fusion="matched"``
+(:data:`SAVED_OPTIONS`): the file guards the restructuring, not the choice of default.
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ import torch
 import frolic_tta
 from frolic_tta.clip.prompts import build_class_prompts, encode_prototypes
 from frolic_tta.metrics import evaluate_rows
+from frolic_tta.options import FrolicOptions
 from frolic_tta.rows import RowContext, build_rows
 from tests.test_module import CLASS_NAMES, loader, make_module, make_trainer
 from tests.worlds import long_tailed_world
 
 SAVED = Path(__file__).parent / "data" / "unchanged.pt"
 TEMPLATES = ["a photo of a {}.", "a drawing of a {}.", "a {} in the wild."]
+SAVED_OPTIONS = FrolicOptions(fusion="matched")
+"""The options the saved values were computed with (the defaults of their day)."""
 
 
 def current(tiny_clip, tiny_clip_loaded) -> dict[str, torch.Tensor]:
     """The values to compare, computed by the code as it is now."""
     values: dict[str, torch.Tensor] = {}
-    module = make_module(tiny_clip, templates=TEMPLATES, text_batch_size=2)
+    module = make_module(tiny_clip, templates=TEMPLATES, text_batch_size=2, options=SAVED_OPTIONS)
     outputs = make_trainer().predict(module, loader(61, batch=8))
     values["module/logits"] = torch.cat([o["logits"] for o in outputs])
     values["module/confidence"] = torch.cat([o["confidence"] for o in outputs])
@@ -47,7 +52,7 @@ def current(tiny_clip, tiny_clip_loaded) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         values["prototypes"] = encode_prototypes(model, tokenizer, prompts, batch_size=5)
     features, prototypes, labels = long_tailed_world(n=600, k=20)
-    result = frolic_tta.frolic(features, prototypes)
+    result = frolic_tta.frolic(features, prototypes, SAVED_OPTIONS)
     for row, logits in result.ablations(labels).items():
         values[f"world/{row}"] = logits[:40].double()  # 40 samples keep the file small
     ctx = RowContext(result.head, result.sums, features, result.options, labels, chunk_size=97)
