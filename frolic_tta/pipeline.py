@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -48,9 +47,9 @@ from frolic_tta.logits import (
 from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.prior import (
+    HEAD_LABELS_EPS,
     Priors,
-    TestPriorEstimate,
-    estimate_test_prior,
+    fit_test_prior,
     posterior_sums,
     refitted_sums,
 )
@@ -176,10 +175,15 @@ def fit_frolic(
     # estimated on a mixture refitted under the debiased fused posterior)
     debias_head = options.head_labels == "debiased" and options.covariance == "soft"
     debias_head = debias_head and options.zero_shot != "inmap_both"
-    estimate = zero_shot_bias = gaussian = None
+    estimate = zero_shot_bias = gaussian = head_bias = None
+    head_eps = min(options.solver.eps, HEAD_LABELS_EPS)
+    # the head's labels are balanced without the box on beta-hat_c: where over-confident
+    # posteriors push beta-hat_c past it, a boxed matching leaves their class masses
+    # unbalanced and the head (and the test prior read off it) biased; the box bounds the
+    # reported zero-shot prior only (below)
     if debias_head and options.test_prior == "em":
         report("test prior")
-        estimate = _test_prior(
+        estimate = fit_test_prior(
             features,
             prototypes,
             zero_shot,
@@ -188,27 +192,33 @@ def fit_frolic(
             reduce_fn,
             chunk_size,
             buffer,
-            box,
+            None,
             head=True,
         )
-        gaussian = estimate.head
-        zero_shot_bias = estimate.bias if options.bias == "soft" else None
-        if zero_shot_bias is not None:
-            head_eps = min(options.solver.eps, HEAD_LABELS_EPS)
-            warn_about_match(zero_shot_bias, k, options.solver.max_iter, head_eps, ZERO_SHOT_BETA)
+        gaussian, head_bias = estimate.head, estimate.bias
     elif debias_head:
         report("zero-shot prior")
-        zero_shot_bias = match(
-            zero_shot,
-            method="soft",
-            bound=box,
-            eps=min(options.solver.eps, HEAD_LABELS_EPS),
-            name=ZERO_SHOT_BETA,
-        )
-        packed = posterior_sums(zero_shot, zero_shot_bias.log_offset, features)
+        head_bias = match(zero_shot, method="soft", eps=head_eps, name=ZERO_SHOT_BETA)
+        packed = posterior_sums(zero_shot, head_bias.log_offset, features)
         head_sums = refitted_sums(sums, reduce_fn(packed))
         gaussian = fit_gaussian_head(head_sums, prototypes, "soft", options.shrinkage)
-        zero_shot_bias = zero_shot_bias if options.bias == "soft" else None
+    if head_bias is not None and options.bias == "soft":  # the reported beta-hat_c, boxed
+        target = None if estimate is None else floored(estimate.prior, options.solver.prior_floor)
+        log_beta = torch.log(head_bias.beta)
+        if box is None or float(log_beta.max() - log_beta.min()) <= 2.0 * box:
+            zero_shot_bias = head_bias
+            warn_about_match(zero_shot_bias, k, options.solver.max_iter, head_eps, ZERO_SHOT_BETA)
+        else:
+            report("zero-shot prior")
+            zero_shot_bias = match(
+                zero_shot,
+                method="soft",
+                target=target,
+                bound=box,
+                eps=head_eps,
+                init=head_bias.beta,
+                name=ZERO_SHOT_BETA,
+            )
     if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
         gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
@@ -235,7 +245,7 @@ def fit_frolic(
     )
     if options.test_prior == "em" and estimate is None:  # on the fused posterior
         report("test prior")
-        estimate = _test_prior(
+        estimate = fit_test_prior(
             features, prototypes, fused, sums, options, reduce_fn, chunk_size, scratch, None
         )
         if scratch is not None:  # the scratch held the mixture's logits: f_c / tau_c again
@@ -247,8 +257,9 @@ def fit_frolic(
     report("label bias")
     if bias is None:
         tight = {"eps": min(options.solver.eps, HEAD_LABELS_EPS)} if debias_head else {}
-        if debias_head and zero_shot_bias is not None:  # f_g carries no label bias of its own:
-            tight["init"] = zero_shot_bias.beta  # f_f's starts near f_c's (a warm start)
+        if head_bias is not None and zero_shot_bias is not None:  # f_g has no label bias of
+            start = head_bias.beta ** pool_weight(options.fusion)  # its own, f_f holds omega f_c:
+            tight["init"] = start / start.sum()  # its bias starts near beta_c^omega (warm)
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
@@ -286,11 +297,6 @@ def fit_frolic(
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
 
 
-HEAD_LABELS_EPS = 1e-6
-"""Tolerance of the matchings that debias the head's labels (``head_labels="debiased"``):
-the head moves with them, so they are solved to rounding, not to ``eps``."""
-
-
 def _fuse(
     features: Tensor,
     zero_shot: LogitSource,
@@ -323,49 +329,6 @@ def _fuse(
         if weight != 1.0:
             rows.mul_(weight)
     return tau_g, TensorLogits(buffer, chunk_size)
-
-
-def _test_prior(
-    features: Tensor,
-    prototypes: Tensor,
-    source: LogitSource,
-    sums: MomentSums,
-    options: FrolicOptions,
-    reduce_fn: ReduceFn,
-    chunk_size: int | None,
-    buffer: Tensor | None,
-    bound: float | None,
-    head: bool = False,
-) -> TestPriorEstimate:
-    """:func:`~frolic_tta.prior.estimate_test_prior` with ``options``; warns where a weight
-    solve stopped at its cap. With ``head``, the mixture is the head itself: its labels'
-    matchings run to :data:`HEAD_LABELS_EPS` (the head, not only an offset, depends on them)."""
-    estimate = estimate_test_prior(
-        features,
-        prototypes,
-        source,
-        sums,
-        shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
-        evidence=options.solver.shift_evidence,
-        rounds=options.solver.prior_rounds,
-        tol=options.solver.prior_tol,
-        match_eps=min(options.solver.eps, HEAD_LABELS_EPS) if head else options.solver.eps,
-        match_max_iter=options.solver.max_iter,
-        start_passes=options.solver.max_iter if head else None,
-        prior_floor=options.solver.prior_floor,
-        bound=bound,
-        reduce_fn=reduce_fn,
-        chunk_size=chunk_size,
-        buffer=buffer,
-    )
-    if not estimate.converged:
-        warnings.warn(
-            f"the test prior's mixture weights did not reach prior_tol={options.solver.prior_tol} "
-            "within their cap of passes; the test prior is reported as converged: false",
-            UserWarning,
-            stacklevel=4,
-        )
-    return estimate
 
 
 def _silent(phase: str) -> None:

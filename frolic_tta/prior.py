@@ -65,7 +65,7 @@ from frolic_tta.logits import (
 )
 from frolic_tta.matching import MassMatch, floored, match_class_masses
 from frolic_tta.mixture import mixture_weights
-from frolic_tta.options import Shrinkage
+from frolic_tta.options import FrolicOptions, Shrinkage
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,54 @@ def estimate_test_prior(
     bias = match(prior, bias)
     passes += bias.evaluations
     return TestPriorEstimate(prior, raw, weight, ratio, bias, rounds, passes, converged, fitted[-1])
+
+
+HEAD_LABELS_EPS = 1e-6
+"""Tolerance of the matchings that debias the head's labels (``head_labels="debiased"``):
+the head moves with them, so they are solved to rounding, not to ``eps``."""
+
+
+def fit_test_prior(
+    features: Tensor,
+    prototypes: Tensor,
+    source: LogitSource,
+    sums: MomentSums,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    buffer: Tensor | None,
+    bound: float | None,
+    head: bool = False,
+) -> TestPriorEstimate:
+    """:func:`estimate_test_prior` with the pipeline's ``options``; warns where a weight
+    solve stopped at its cap. With ``head``, the mixture is the head itself: its labels'
+    matchings run to :data:`HEAD_LABELS_EPS` (the head, not only an offset, depends on them)."""
+    estimate = estimate_test_prior(
+        features,
+        prototypes,
+        source,
+        sums,
+        shrinkage=options.shrinkage if options.covariance == "soft" else "auto",
+        evidence=options.solver.shift_evidence,
+        rounds=options.solver.prior_rounds,
+        tol=options.solver.prior_tol,
+        match_eps=min(options.solver.eps, HEAD_LABELS_EPS) if head else options.solver.eps,
+        match_max_iter=options.solver.max_iter,
+        start_passes=options.solver.max_iter if head else None,
+        prior_floor=options.solver.prior_floor,
+        bound=bound,
+        reduce_fn=reduce_fn,
+        chunk_size=chunk_size,
+        buffer=buffer,
+    )
+    if not estimate.converged:
+        warnings.warn(
+            f"the test prior's mixture weights did not reach prior_tol={options.solver.prior_tol} "
+            "within their cap of passes; the test prior is reported as converged: false",
+            UserWarning,
+            stacklevel=4,
+        )
+    return estimate
 
 
 START_PASSES = 20

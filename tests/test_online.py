@@ -126,8 +126,10 @@ def test_sharded_uneven_stream_ends_in_the_single_process_state():
     for fit in (f0, f1):
         assert fit.head.tau_g == pytest.approx(ref.head.tau_g, abs=1e-6)
         # sharded sums are added in another order: beta (after the test prior's refits and
-        # matchings) agrees to 1e-5 relative; one process equals fit_frolic exactly (above)
-        torch.testing.assert_close(fit.head.beta, ref.head.beta, rtol=1e-5, atol=0)
+        # matchings, each stopped once the next step would move it by < 1e-6 in L1) agrees to
+        # 2e-5 relative (measured 1.3e-5: ln beta, so the logits, within 1.3e-5 absolute); one
+        # process equals fit_frolic exactly (above)
+        torch.testing.assert_close(fit.head.beta, ref.head.beta, rtol=2e-5, atol=0)
     torch.testing.assert_close(torch.cat([f0.logits, f1.logits]), ref.logits, rtol=0, atol=1e-4)
 
 
