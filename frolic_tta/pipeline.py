@@ -180,7 +180,9 @@ def fit_frolic(
     # the head's labels are balanced without the box on beta-hat_c: where over-confident
     # posteriors push beta-hat_c past it, a boxed matching leaves their class masses
     # unbalanced and the head (and the test prior read off it) biased; the box bounds the
-    # reported zero-shot prior only (below)
+    # reported zero-shot prior only (below). With fewer samples than classes some classes
+    # cannot get their mass at all and an unboxed matching crawls to the floor: boxed there
+    head_box = None if float(sums.count) >= k else box
     if debias_head and options.test_prior == "em":
         report("test prior")
         estimate = fit_test_prior(
@@ -192,13 +194,15 @@ def fit_frolic(
             reduce_fn,
             chunk_size,
             buffer,
-            None,
+            head_box,
             head=True,
         )
         gaussian, head_bias = estimate.head, estimate.bias
     elif debias_head:
         report("zero-shot prior")
-        head_bias = match(zero_shot, method="soft", eps=head_eps, name=ZERO_SHOT_BETA)
+        head_bias = match(
+            zero_shot, method="soft", bound=head_box, eps=head_eps, name=ZERO_SHOT_BETA
+        )
         packed = posterior_sums(zero_shot, head_bias.log_offset, features)
         head_sums = refitted_sums(sums, reduce_fn(packed))
         gaussian = fit_gaussian_head(head_sums, prototypes, "soft", options.shrinkage)
