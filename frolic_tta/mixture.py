@@ -89,7 +89,8 @@ def mixture_weights(
     Args:
         source: ``(N_local, K)`` component log-likelihoods :math:`g` of the local shard.
         init: ``(K,)`` starting weights (default uniform).
-        tol: stop when an EM step moves :math:`\pi` by less than ``tol`` in L1.
+        tol: stop when an EM step moves :math:`\pi` by less than ``tol`` in L1 (with float32
+            ``g`` a step's rounding is ~1e-9: keep ``tol`` >= 1e-8).
         max_passes: cap on passes (each one reduction).
         reduce_fn: sums a tensor over shards.
         below: stop as soon as :math:`\Lambda \le` ``below`` is certain: :math:`\ell` is
