@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.errors import warn
-from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce
+from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce, workspace
 from frolic_tta.options import FUSIONS, Fusion, check_choice, check_positive
 from frolic_tta.validation import check_shards_together
 
@@ -73,41 +73,44 @@ class _StartSums:
         return _StartSums(_ConfidenceSums.unpack(packed[:5]), packed[5])
 
 
-_EXACT_BELOW = 1e-9
-"""Rows whose :math:`r` (the softmax mass off the top class) is below this are summed again
-with the top class left out (the float64 sum of all classes minus 1 is exact to ~1e-15)."""
-
-
 def _confidence_sums(
-    source: LogitSource, temperature: float, margin: bool = False
+    source: LogitSource,
+    temperature: float,
+    margin: bool = False,
+    tops: dict[int, tuple[Tensor, Tensor]] | None = None,
 ) -> _ConfidenceSums:
     r"""The :class:`_ConfidenceSums` of the local shard at ``temperature``.
 
     The confidence *deficit* :math:`1 - p_{\max}` is summed instead of :math:`p_{\max}`, and
     computed without cancellation: with :math:`e_j = \exp((f_j - f_a)/\tau)` for the top class
     :math:`a` and :math:`r = \sum_{j \ne a} e_j`, :math:`1 - p_{\max} = r/(1 + r)` and
-    :math:`d(1 - p_{\max})/d\ln\tau = \sum_{j \ne a} e_j (f_a - f_j)/\tau\,/\,(1 + r)^2` (no
-    term that rounds to 1; a class tied with the top one adds its :math:`e_j = 1` to
-    :math:`r`). So confident data keep their deficit (down to about 1e-38 in float32) where
-    :math:`p_{\max}` itself rounds to 1. With ``margin``, the last entry is the logit spread
-    :math:`\sum_i (\max_j f_{ij} - \operatorname{mean}_j f_{ij})`, the first guess (else 0).
+    :math:`d(1 - p_{\max})/d\ln\tau = \sum_{j \ne a} e_j (f_a - f_j)/\tau\,/\,(1 + r)^2`. The
+    top class's :math:`e_a = 1` is set to 0 before the row sums (a class tied with the top one
+    keeps its :math:`e_j = 1` in :math:`r`), so :math:`r` is a float32 sum of the other terms,
+    exact to float32's relative rounding however small it is: confident data keep their
+    deficit (down to about 1e-38) where :math:`p_{\max}` itself rounds to 1. The top class and
+    its logit do not depend on :math:`\tau`: ``tops`` (a dict, filled on the first call) keeps
+    them per chunk for the search's next passes. With ``margin``, the last entry is the logit
+    spread :math:`\sum_i (\max_j f_{ij} - \operatorname{mean}_j f_{ij})`, the first guess
+    (else 0).
     """
     total = torch.zeros(5, dtype=torch.float64)
-    for _, logits in source.chunks():
-        top = logits.amax(dim=1, keepdim=True)
-        scaled = torch.sub(logits, top).div_(temperature)  # <= 0, exactly 0 at the top
-        exp = torch.exp(scaled)
-        # r = sum_j e_j - 1, the sum in float64: exact to ~1e-15, so only rows with r below
-        # 1e-9 (rare but for over-confident data) need the top class left out explicitly
-        rest_sum = exp.sum(1, dtype=torch.float64) - 1.0
-        growth = exp.mul_(scaled).sum(1).neg().double()  # sum_j e_j g_j; the top adds 0
+    work: Tensor | None = None  # two chunk-sized temporaries, reused by every chunk
+    for start, logits in source.chunks():
+        cached = None if tops is None else tops.get(start)
+        if cached is None or cached[0].shape[0] != logits.shape[0]:
+            top, where = logits.max(dim=1, keepdim=True)
+            if tops is not None:
+                tops[start] = (top, where)
+        else:
+            top, where = cached
+        work = workspace(work, logits, 2)
+        scaled, exp = work[0], work[1]
+        torch.sub(logits, top, out=scaled).div_(temperature)  # <= 0, exactly 0 at the top
+        torch.exp(scaled, out=exp).scatter_(1, where, 0.0)  # e_j, the top class left out
+        rest_sum = exp.sum(1).double()  # r, pairwise in float32: relative rounding only
+        growth = exp.mul_(scaled).sum(1).neg().double()  # sum_j e_j g_j
         square = exp.mul_(scaled).sum(1).double()  # sum_j e_j g_j^2
-        tiny = (rest_sum < _EXACT_BELOW).nonzero().squeeze(1)
-        if tiny.numel() > 0:
-            rows = scaled[tiny]
-            at_top = rows == 0
-            rest = torch.exp(rows).masked_fill_(at_top, 0.0).sum(1, dtype=torch.float64)
-            rest_sum[tiny] = rest + (at_top.sum(1) - 1).double()  # ties: e_j = 1 each
         norm = 1.0 + rest_sum
         deficit = rest_sum / norm
         bend = (square - growth) / (norm * norm) - 2.0 * growth * growth / norm**3
@@ -212,8 +215,9 @@ def match_temperature(
     lo, hi = -math.inf, math.inf  # bracket on u: deficit(lo) <= target <= deficit(hi)
     best_u, best_err = u, math.inf
     before_polish: tuple[float, float] | None = None  # (u, |gap|) where the polish started
+    tops: dict[int, tuple[Tensor, Tensor]] = {}  # f_g's top class per chunk, for every pass
     for _ in range(max_iter):
-        sums = _confidence_sums(gda, math.exp(u)).reduce(reduce_fn)
+        sums = _confidence_sums(gda, math.exp(u), tops=tops).reduce(reduce_fn)
         deficit, growth = float(sums.deficit / sums.count), float(sums.growth / sums.count)
         bend = float(sums.bend / sums.count)
         err = deficit - target  # conf(f_c) - conf(f_g): > 0 means f_g is not confident enough

@@ -127,6 +127,22 @@ class LinearLogits(LogitSource):
                 torch.addmm(self.bias, block, self.weight_t, out=rows)
 
 
+def workspace(work: Tensor | None, like: Tensor, count: int = 1) -> Tensor:
+    """``count`` temporaries of ``like``'s shape, dtype and device, as ``(count, n, K)``:
+    ``work`` where it already holds them (its rows sliced to ``like``'s), else new ones.
+
+    A pass over the logits reuses one workspace for every chunk: a fresh chunk-sized tensor
+    per chunk is a fresh mapping from the system allocator, whose page faults cost as much as
+    the exponentials themselves (about 3x the pass, measured on 2 CPU cores).
+    """
+    n, k = like.shape
+    fits = work is not None and work.shape[0] >= count and work.shape[1] >= n
+    fits = fits and work.shape[2] == k and work.dtype == like.dtype and work.device == like.device
+    if not fits:
+        work = like.new_empty((count, n, k))
+    return work[:count, :n]
+
+
 def fill(buffer: Tensor, source: LogitSource) -> TensorLogits:
     """Write every chunk of ``source`` into ``buffer`` ``(N, K)``; the buffer as a source."""
     if isinstance(source, LinearLogits) and buffer.dtype == source.dtype:

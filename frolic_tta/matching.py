@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
+from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce, workspace
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
@@ -130,8 +130,10 @@ def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
     mass = torch.zeros(k, dtype=torch.float64)
     curvature = torch.zeros(k, dtype=torch.float64)
     products = torch.zeros(k, k, dtype=torch.float64) if outer else None
+    work: Tensor | None = None  # one chunk-sized temporary for every chunk
     for _, logits in source.chunks():
-        posterior = torch.add(logits, shift.to(logits))
+        work = workspace(work, logits)
+        posterior = torch.add(logits, shift.to(logits), out=work[0])
         top = posterior.amax(dim=1, keepdim=True)
         posterior.sub_(top).exp_()
         norm = posterior.sum(dim=1, keepdim=True)

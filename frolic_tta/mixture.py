@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
+from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce, workspace
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,14 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
     responsibility = torch.zeros(k, dtype=torch.float64)
     top_prior = float(log_prior.max())
     weights = torch.exp(log_prior - top_prior)
+    work: Tensor | None = None  # two chunk-sized temporaries for every chunk
     for _, logits in source.chunks():
         scaled = weights.to(logits)
         tiny = torch.finfo(logits.dtype).tiny
         top = logits.amax(dim=1, keepdim=True)
-        exp = torch.sub(logits, top).exp_()
-        norm = torch.mul(exp, scaled).sum(1).clamp_(min=tiny)  # (n,), pairwise
+        work = workspace(work, logits, 2)
+        exp = torch.sub(logits, top, out=work[0]).exp_()
+        norm = torch.mul(exp, scaled, out=work[1]).sum(1).clamp_(min=tiny)  # (n,), pairwise
         total[0] += logits.shape[0]
         top = top.squeeze(1).double()
         total[1] += float((top + norm.log().double()).sum()) + logits.shape[0] * top_prior

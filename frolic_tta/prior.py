@@ -62,6 +62,7 @@ from frolic_tta.logits import (
     ReduceFn,
     fill,
     identity_reduce,
+    workspace,
 )
 from frolic_tta.matching import MassMatch, floored, match_class_masses
 from frolic_tta.mixture import mixture_weights
@@ -105,8 +106,12 @@ def posterior_sums(source: LogitSource, log_offset: Tensor, features: Tensor) ->
     k, d = source.num_classes, features.shape[1]
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
+    work: Tensor | None = None  # one chunk-sized temporary for every chunk
     for start, logits in source.chunks():
-        posterior = torch.softmax(logits + log_offset.to(logits), dim=1)
+        work = workspace(work, logits)
+        posterior = torch.add(logits, log_offset.to(logits), out=work[0])
+        posterior.sub_(posterior.amax(dim=1, keepdim=True)).exp_()
+        posterior.div_(posterior.sum(dim=1, keepdim=True))
         block = features[start : start + logits.shape[0]].to(posterior.dtype)
         count += posterior.sum(0).double()
         weighted += (posterior.t() @ block).double()
