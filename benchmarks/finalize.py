@@ -100,13 +100,13 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
         "ours-balanced": FrolicOptions(test_prior="uniform"),
         "ours-raw": FrolicOptions(head_labels="zero_shot"),
     }.get(case["mode"], FrolicOptions())
-    sums = None
+    sums = kept = None
     if case["mode"] != "ours-nosums":  # the module: one update per encoded batch
         probe.push("moments")
-        metric = FrolicMoments(z, TAU_C).to(x.device)
+        metric = FrolicMoments(z, TAU_C, keep_logits=case["keep_logits"]).to(x.device)
         for start in range(0, n, batch):
             metric.update(x[start : start + batch])
-        sums = metric.compute()
+        sums, kept = metric.compute(), metric.zero_shot_logits()
         probe.passes["moments"] += 1
         probe.pop()
     # else moment_sums on the whole shard, inside fit_frolic: in "head solve"
@@ -123,6 +123,7 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
         keep_logits=case["keep_logits"],
         chunk_size=case["chunk_size"],
         progress=probe.progress,
+        zero_shot_logits=kept,
     )
     probe.push("scoring")  # FrolicModule.finalize: fill each batch's placeholders
     fill_outputs(case["outputs"], fit.logits, fit.head, x, probe.reduce, n)

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.errors import FrolicInputError, warn
-from frolic_tta.logits import AffineMap, ReduceFn
+from frolic_tta.logits import AffineMap, ReduceFn, chunk_rows, compute_dtype
 from frolic_tta.options import (
     COVARIANCES,
     Covariance,
@@ -91,19 +91,64 @@ class MomentSums:
         return MomentSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
+def scaled_zero_shot(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
+    r"""Zero-shot logits :math:`f_c/\tau_c = x Z^\top/\tau_c` from float64 products, ``(N, K)``
+    float64 (the posterior's logits; finalize's buffer holds them rounded to float32)."""
+    x = features.detach().to(torch.float64)
+    return (x @ prototypes.detach().to(torch.float64).t()).div_(tau_c)
+
+
+def zero_shot_buffer(
+    features: Tensor,
+    prototypes: Tensor,
+    tau_c: float,
+    chunk_size: int | None = None,
+    given: Tensor | None = None,
+) -> Tensor:
+    r"""``(N, K)`` :math:`f_c/\tau_c` in the features' compute dtype (float32; float64 stays
+    float64), rounded from float64 products chunk by chunk: what
+    :class:`~frolic_tta.metrics.FrolicMoments` keeps, so a fit from kept logits and one from
+    the features alone hold the same buffer. ``given``: those logits already computed (moved
+    to the features' device and dtype, not recomputed).
+
+    Raises:
+        ValueError: ``given`` is not of shape ``(N, K)``.
+    """
+    expected = (features.shape[0], prototypes.shape[0])
+    dtype = compute_dtype(features)
+    if given is not None:
+        if tuple(given.shape) != expected:
+            raise ValueError(
+                f"Expected `zero_shot_logits` of shape {expected} (N_local, K), "
+                f"but got {tuple(given.shape)}"
+            )
+        return given.to(device=features.device, dtype=dtype)
+    out = torch.empty(expected, dtype=dtype, device=features.device)
+    rows = chunk_rows(prototypes.shape[0], chunk_size)
+    for start in range(0, features.shape[0], rows):
+        block = features[start : start + rows]
+        out[start : start + block.shape[0]] = scaled_zero_shot(block, prototypes, tau_c)
+    return out
+
+
 def zero_shot_posterior(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
     r"""Zero-shot posterior :math:`\mathrm{softmax}(x Z^\top / \tau_c)` in float64, ``(N, K)``."""
-    logits = features.to(torch.float64) @ prototypes.to(torch.float64).t()
-    return torch.softmax(logits / tau_c, dim=1)
+    return torch.softmax(scaled_zero_shot(features, prototypes, tau_c), dim=1)
 
 
-def moment_sums(features: Tensor, prototypes: Tensor, tau_c: float) -> MomentSums:
-    """The sums of one shard (functional twin of :class:`frolic_tta.metrics.FrolicMoments`).
+def moment_sums(
+    features: Tensor, prototypes: Tensor, tau_c: float, keep: list[Tensor] | None = None
+) -> MomentSums:
+    r"""The sums of one shard (functional twin of :class:`frolic_tta.metrics.FrolicMoments`).
 
     Args:
         features: ``(n, d)`` image features of the shard (any float dtype).
         prototypes: ``(K, d)`` class prototypes.
         tau_c: zero-shot temperature of the posterior used for the soft statistics.
+        keep: a list to which the shard's zero-shot logits :math:`f_c/\tau_c` ``(n, K)`` are
+            appended, rounded from the float64 products the posterior is computed from to the
+            features' compute dtype (float32; float64 stays float64): finalize's first
+            ``(N, K)`` buffer without a product of its own (``None``: not kept).
 
     Returns:
         :class:`MomentSums` in float64 (detached: no gradient flows through them).
@@ -114,7 +159,10 @@ def moment_sums(features: Tensor, prototypes: Tensor, tau_c: float) -> MomentSum
     """
     tau_c = check_positive("tau_c", tau_c)
     x = features.detach().to(torch.float64)
-    posterior = zero_shot_posterior(x, prototypes.detach(), tau_c)
+    scaled = scaled_zero_shot(x, prototypes, tau_c)
+    if keep is not None:
+        keep.append(scaled.to(compute_dtype(features)))
+    posterior = torch.softmax(scaled, dim=1)
     return MomentSums(
         count=torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
         feature_sum=x.sum(0),

@@ -42,12 +42,17 @@ class FrolicMoments(Metric):
         prototypes: ``(K, d)`` class prototypes (a buffer; moves with the metric); floating,
             finite, K >= 2.
         tau_c: zero-shot temperature of the soft assignments (finite, > 0).
+        keep_logits: also keep this rank's zero-shot logits :math:`f_c/\tau_c` ``(n, K)`` of
+            every batch (rounded from the float64 products the soft sums are computed from;
+            local, never synced) for :meth:`zero_shot_logits`: finalize's first buffer
+            without one more ``(N, K, d)`` product.
 
     Raises:
         TypeError: ``tau_c`` is not a real number.
         ValueError: bad ``prototypes`` or ``tau_c`` (the checks of :func:`frolic_tta.frolic`).
 
-    Memory: :math:`O(d^2 + K d)` float64, independent of N.
+    Memory: :math:`O(d^2 + K d)` float64, independent of N (with ``keep_logits``, plus
+    :math:`N_\text{local} K` float32).
 
     Example::
 
@@ -69,8 +74,12 @@ class FrolicMoments(Metric):
     soft_sum: Tensor
     prototypes: Tensor
 
-    def __init__(self, prototypes: Tensor, tau_c: float = 0.01, **kwargs: Any) -> None:
+    def __init__(
+        self, prototypes: Tensor, tau_c: float = 0.01, keep_logits: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        self.keep_logits = keep_logits
+        self.kept: list[Tensor] = []
         check_prototypes(prototypes)
         k, d = prototypes.shape
         self.tau_c = check_positive("tau_c", tau_c)
@@ -92,12 +101,28 @@ class FrolicMoments(Metric):
                 or inf (checked as in :func:`frolic_tta.frolic`).
         """
         check_matrix("features", features, min_rows=0, cols=self.prototypes.shape[1])
-        sums = moment_sums(features.to(self.prototypes.device), self.prototypes, self.tau_c)
+        keep = self.kept if self.keep_logits else None
+        sums = moment_sums(features.to(self.prototypes.device), self.prototypes, self.tau_c, keep)
         self.count += sums.count
         self.feature_sum += sums.feature_sum
         self.outer_sum += sums.outer_sum
         self.soft_count += sums.soft_count
         self.soft_sum += sums.soft_sum
+
+    def zero_shot_logits(self) -> Tensor | None:
+        r"""This rank's kept :math:`f_c/\tau_c` ``(N_local, K)`` in update order (``None``
+        without ``keep_logits``); handed over once: the metric keeps no reference."""
+        if not self.keep_logits:
+            return None
+        kept, self.kept = self.kept, []
+        if not kept:
+            return self.prototypes.new_empty((0, self.prototypes.shape[0]), dtype=torch.float32)
+        return kept[0] if len(kept) == 1 else torch.cat(kept)
+
+    def reset(self) -> None:
+        """Zero the sums and drop the kept logits."""
+        super().reset()
+        self.kept = []
 
     def compute(self) -> MomentSums:
         """The (synced) sums as float64 :class:`MomentSums`."""

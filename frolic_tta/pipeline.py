@@ -23,14 +23,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature, pool_weight
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
-from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head, moment_sums
+from frolic_tta.gda import (
+    GaussianHead,
+    MomentSums,
+    fit_gaussian_head,
+    moment_sums,
+    zero_shot_buffer,
+)
 from frolic_tta.head import FrolicHead, fused_map
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
@@ -63,15 +69,25 @@ def l2_normalize(tensor: Tensor) -> Tensor:
 
 
 def shard_moment_sums(
-    features: Tensor, prototypes: Tensor, tau_c: float, chunk_size: int | None = None
+    features: Tensor,
+    prototypes: Tensor,
+    tau_c: float,
+    chunk_size: int | None = None,
+    out: Tensor | None = None,
 ) -> MomentSums:
-    """:func:`~frolic_tta.gda.moment_sums` of a shard, chunk by chunk (no ``(N, K)`` float64
-    temporaries); an empty shard gives zero sums (it still takes part in the reduction)."""
+    r""":func:`~frolic_tta.gda.moment_sums` of a shard, chunk by chunk (no ``(N, K)`` float64
+    temporaries); an empty shard gives zero sums (it still takes part in the reduction). With
+    ``out`` ``(N, K)``, the chunks' :math:`f_c/\tau_c` (rounded from the float64 products) are
+    written into it, as :class:`~frolic_tta.metrics.FrolicMoments` keeps them."""
     rows = chunk_rows(prototypes.shape[0], chunk_size)
-    local = moment_sums(features[:rows], prototypes, tau_c)
-    for start in range(rows, features.shape[0], rows):
-        local = local + moment_sums(features[start : start + rows], prototypes, tau_c)
-    return local
+    local: MomentSums | None = None
+    for start in range(0, max(1, features.shape[0]), rows):
+        keep: list[Tensor] | None = None if out is None else []
+        block = moment_sums(features[start : start + rows], prototypes, tau_c, keep)
+        local = block if local is None else local + block
+        if keep:
+            out[start : start + keep[0].shape[0]] = keep[0]
+    return cast(MomentSums, local)  # one chunk at least (an empty one for an empty shard)
 
 
 @dataclass
@@ -103,6 +119,7 @@ def fit_frolic(
     keep_logits: bool = True,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     progress: Callable[[str], None] | None = None,
+    zero_shot_logits: Tensor | None = None,
     **overrides: Any,
 ) -> FrolicFit:
     r"""Run Algorithm 1 on the local shard ``features`` ``(N_local, d)``.
@@ -126,6 +143,10 @@ def fit_frolic(
             ``"temperature"``, ``"test prior"``, ``"label bias"``, ``"zero-shot prior"``, then
             ``"done"``; ``head_labels="debiased"`` starts with ``"test prior"``); on every
             shard alike, so a caller reports it once (rank zero).
+        zero_shot_logits: ``(N_local, K)`` the shard's :math:`f_c/\tau_c`, already computed
+            (:meth:`frolic_tta.metrics.FrolicMoments.zero_shot_logits`): with ``keep_logits``
+            it becomes the scratch buffer (overwritten) instead of one ``(N, K, d)`` product;
+            ignored without ``keep_logits`` and with InMaP's proxies (``zero_shot="inmap"``).
 
     Runs under ``torch.no_grad()``: nothing it returns requires grad.
 
@@ -133,7 +154,8 @@ def fit_frolic(
         TypeError: ``tau_c`` is not a real number.
         ValueError: ``tau_c`` is not finite and > 0, bad ``prototypes`` (K < 2, not floating,
             NaN/inf) or feature shape/dtype, some shard holds a non-finite feature, or fewer
-            than 2 samples over all shards (every shard raises together).
+            than 2 samples over all shards (every shard raises together); ``zero_shot_logits``
+            not of shape ``(N_local, K)``.
     """
     options = resolve_options(options, **overrides)
     tau_c = check_positive("tau_c", tau_c)
@@ -149,17 +171,20 @@ def fit_frolic(
             kwargs["target"] = text_test_prior(*text)
         prototypes, tau_c = inmap_proxies(features, prototypes, tau_c, **kwargs)
         sums = None  # the soft sums depend on the prototypes: recomputed below (one pass)
-    if sums is None:
-        sums = shard_moment_sums(features, prototypes, tau_c, chunk_size).reduce(reduce_fn)
     k = prototypes.shape[0]
+    buffer = scratch = None  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
+    given = None if options.zero_shot == "inmap" else zero_shot_logits  # of other prototypes
+    if sums is None:  # the products' f_c / tau_c fill the scratch, as in the module
+        made = _new_buffer(features, k) if keep_logits and given is None else None
+        sums = shard_moment_sums(features, prototypes, tau_c, chunk_size, made).reduce(reduce_fn)
+        given = given if made is None else made
     report = progress or _silent
     z = prototypes.to(torch.float64)
     scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))  # f_c / tau_c
     zero_shot = scaled.source(features, chunk_size)
-    buffer = scratch = None
-    if keep_logits:  # f_g, then f_f, then f_d in `buffer`; f_c / tau_c in `scratch`
-        buffer, scratch = (_new_buffer(features, k) for _ in range(2))
-        zero_shot = fill(scratch, zero_shot)
+    if keep_logits:
+        scratch = zero_shot_buffer(features, z, tau_c, chunk_size, given)
+        zero_shot, buffer = TensorLogits(scratch, chunk_size), _new_buffer(features, k)
     bound = options.solver.beta_ratio_bound
     box = None if bound is None else math.log(bound) / 2
     match = partial(

@@ -280,7 +280,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                 f"dataset has N={self._dataset_length}"
             )
         self.prototypes_ = self.build_prototypes()
-        self.moments = FrolicMoments(self.prototypes_, self.tau_c).to(self.device)
+        keep = self.hparams.return_logits  # f_c / tau_c of the products, finalize's buffer
+        self.moments = FrolicMoments(self.prototypes_, self.tau_c, keep).to(self.device)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
@@ -357,9 +358,9 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             keep_logits=hp.return_logits,  # else no (N, K) tensor: rescored batch by batch
             chunk_size=hp.chunk_size,
             progress=progress,
+            zero_shot_logits=self.moments.zero_shot_logits(),
         )
-        self.head = fit.head
-        finalize = progress.finish(fit.head.tau_g, fit.priors)
+        self.head, finalize = fit.head, progress.finish(fit.head.tau_g, fit.priors)
         probability = fill_outputs(
             self._outputs, fit.logits, fit.head, features, self.reduce_sum, sums.count.cpu()
         )
