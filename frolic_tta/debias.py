@@ -151,6 +151,7 @@ def fit_label_bias(
     reduce_fn: ReduceFn | None = None,
     name: str = "the label bias beta-hat",
     init: Tensor | None = None,
+    spare: Tensor | None = None,
 ) -> MassMatch:
     r""":func:`estimate_label_bias` with its diagnostics (:class:`~frolic_tta.matching.MassMatch`:
     :math:`\hat\beta`, the logit offset, undetermined classes, convergence).
@@ -161,7 +162,9 @@ def fit_label_bias(
     :math:`= \ln\pi - \ln\hat\beta`. Warns when the loop does not converge or when the data
     leave some :math:`\hat\beta_j` undetermined; ``name`` says which :math:`\hat\beta` in the
     warning (:data:`FUSED_BETA`, :data:`ZERO_SHOT_BETA`). ``init``: a :math:`\hat\beta` the
-    soft matching starts from (a warm start; the other methods ignore it).
+    soft matching starts from (a warm start; the other methods ignore it). ``spare``: an
+    ``(N_local, K)`` buffer the soft matching may overwrite
+    (:func:`~frolic_tta.matching.match_class_masses`).
     """
     check_choice("method", method, BIAS_METHODS)
     check_positive("eps", eps)
@@ -188,7 +191,7 @@ def fit_label_bias(
         target = label_frequencies(labels, k, reduce_fn)
     solve = _SOLVERS["soft" if labels is not None else method]
     limits = {"eps": eps, "max_iter": max_iter, "prior_floor": prior_floor}
-    kwargs = {"bound": bound, "reduce_fn": reduce_fn, "name": name, "init": init}
+    kwargs = {"bound": bound, "reduce_fn": reduce_fn, "name": name, "init": init, "spare": spare}
     return solve(source, target, **kwargs, **limits)
 
 
@@ -231,11 +234,13 @@ def _solve_soft(
     reduce_fn: ReduceFn,
     name: str,
     init: Tensor | None,
+    spare: Tensor | None = None,
 ) -> MassMatch:
     """``"soft"`` and the Oracle: the debiased class masses matched to ``target``."""
     result = match_class_masses(
         source,
         target,
+        spare=spare,
         init=init,
         bound=bound,
         eps=eps,

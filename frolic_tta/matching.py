@@ -41,6 +41,7 @@ Shapes: N samples, K classes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,8 @@ class MassMatch:
         mass_error: :math:`\|m - \pi\|_1` of the debiased class masses :math:`m` at the end.
         converged: stopped by the tolerance, not by ``max_iter``.
         evaluations: passes over the logits.
+        exponentials: the logits' :class:`Exponentials` in the buffer lent as ``spare``
+            (valid until its owner overwrites it), or ``None``.
     """
 
     beta: Tensor
@@ -91,6 +94,7 @@ class MassMatch:
     mass_error: float
     converged: bool
     evaluations: int
+    exponentials: Exponentials | None = None
 
 
 @dataclass(frozen=True)
@@ -117,12 +121,80 @@ class _MassSums:
         return _MassSums.unpack(reduce_fn(self.pack()), self.mass.shape[0])
 
 
-def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
+_EXP_RANGE = 80.0
+r"""Largest logit spread within a row plus spread of the shift for which
+:class:`Exponentials` serve a pass: every product :math:`e_{ij} s_j \ge e^{-80}` is a normal
+float32 (the smallest is about :math:`e^{-87}`), so nothing underflows that the exponential of
+the sum would keep."""
+
+
+@dataclass(frozen=True)
+class Exponentials:
+    r""":math:`e_{ij} = \exp(f_{ij} - \max_k f_{ik})` of a shard, computed once: a matching's
+    passes then need no exponential, :math:`\exp(f_{ij} + s_j - c_i) = e_{ij}\,
+    e^{s_j - \max s}` with :math:`c_i = \max_k f_{ik} + \max s` (:func:`exponentials`).
+
+    Attributes:
+        values: ``(N_local, K)`` :math:`e` (a buffer the caller lent; overwritten).
+        tops: ``(N_local, 1)`` :math:`\max_k f_{ik}`.
+        depth: the largest :math:`\max_k f_{ik} - \min_k f_{ik}` of the shard's rows.
+        rows: rows per chunk (the source's).
+    """
+
+    values: Tensor
+    tops: Tensor
+    depth: float
+    rows: int
+
+
+def exponentials(source: LogitSource, buffer: Tensor) -> Exponentials:
+    """:class:`Exponentials` of ``source`` in ``buffer`` ``(N_local, K)`` (one pass, no
+    reduction: each shard decides per pass whether its own serve, the sums are the same)."""
+    tops = buffer.new_empty((source.num_samples, 1))
+    depth, rows = 0.0, 1
+    for start, logits in source.chunks():
+        values = buffer[start : start + logits.shape[0]]
+        top = tops[start : start + logits.shape[0]]
+        torch.amax(logits, dim=1, keepdim=True, out=top)
+        depth = max(depth, float((top.squeeze(1) - logits.amin(dim=1)).max()))
+        torch.sub(logits, top, out=values).exp_()
+        rows = max(rows, logits.shape[0])
+    return Exponentials(buffer, tops, depth, rows)
+
+
+def unnormalised(
+    source: LogitSource, shift: Tensor, exp: Exponentials | None
+) -> Iterator[tuple[Tensor, Tensor]]:
+    r"""``(e, c)`` per chunk: :math:`e_{ij} = \exp(f_{ij} + s_j - c_i)` with
+    :math:`c_i \ge \max_j (f_{ij} + s_j)` up to the spread of ``shift`` (a chunk-sized
+    workspace, overwritten by the next chunk), from ``exp`` where its range serves ``shift``,
+    else one exponential per entry of the logits."""
+    spread = float(shift.max() - shift.min())
+    work: Tensor | None = None  # one chunk-sized temporary for every chunk
+    if exp is not None and exp.depth + spread < _EXP_RANGE:
+        high = float(shift.max())
+        scale = torch.exp(shift - high).to(exp.values)
+        for start in range(0, exp.values.shape[0], exp.rows):
+            values = exp.values[start : start + exp.rows]
+            work = workspace(work, values)
+            yield torch.mul(values, scale, out=work[0]), exp.tops[start : start + exp.rows] + high
+        return
+    for _, logits in source.chunks():
+        work = workspace(work, logits)
+        posterior = torch.add(logits, shift.to(logits), out=work[0])
+        top = posterior.amax(dim=1, keepdim=True)
+        yield posterior.sub_(top).exp_(), top
+
+
+def _sums(
+    source: LogitSource, shift: Tensor, outer: bool = False, exp: Exponentials | None = None
+) -> _MassSums:
     r"""The :class:`_MassSums` of the local shard at ``shift`` (K,); with ``outer``, also
     :math:`\sum_i q_i q_i^\top` (one (K, N) x (N, K) product per chunk).
 
-    One exponential per entry, in place; column sums in the logits' dtype (pairwise, so their
-    rounding stays far below the tolerances), accumulated in float64.
+    One exponential per entry, in place, or none with ``exp`` (:class:`Exponentials`);
+    column sums in the logits' dtype (pairwise, so their rounding stays far below the
+    tolerances), accumulated in float64.
     """
     k = shift.shape[0]
     count = torch.zeros((), dtype=torch.float64)
@@ -130,15 +202,10 @@ def _sums(source: LogitSource, shift: Tensor, outer: bool = False) -> _MassSums:
     mass = torch.zeros(k, dtype=torch.float64)
     curvature = torch.zeros(k, dtype=torch.float64)
     products = torch.zeros(k, k, dtype=torch.float64) if outer else None
-    work: Tensor | None = None  # one chunk-sized temporary for every chunk
-    for _, logits in source.chunks():
-        work = workspace(work, logits)
-        posterior = torch.add(logits, shift.to(logits), out=work[0])
-        top = posterior.amax(dim=1, keepdim=True)
-        posterior.sub_(top).exp_()
+    for posterior, top in unnormalised(source, shift, exp):
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
-        count += logits.shape[0]
+        count += posterior.shape[0]
         log_partition += float((top + norm.log()).sum(dtype=torch.float64))
         column = posterior.sum(0)
         mass += column.double().cpu()
@@ -191,6 +258,7 @@ def match_class_masses(
     prior_floor: float = 1e-30,
     reduce_fn: ReduceFn | None = None,
     init: Tensor | None = None,
+    spare: Tensor | None = None,
 ) -> MassMatch:
     r"""Minimise :math:`J(b)` (module docstring): :math:`\hat\beta` whose debiased class masses
     equal ``target``.
@@ -208,6 +276,9 @@ def match_class_masses(
         reduce_fn: sums a tensor over shards (identity by default).
         init: ``(K,)`` a :math:`\hat\beta` to start from (a warm start, e.g. the solution for a
             nearby ``target``); default uniform.
+        spare: a ``(N_local, K)`` buffer of the logits' dtype the caller lends (overwritten):
+            the logits' :class:`Exponentials` are computed into it once and the passes take
+            no exponential (where the logits' and the bias's ranges allow, :data:`_EXP_RANGE`).
     """
     reduce_fn = reduce_fn or identity_reduce
     k = source.num_classes
@@ -217,8 +288,10 @@ def match_class_masses(
     log_target = torch.log(target.clamp(min=prior_floor / k))
     box = math.log(k / prior_floor) / 2 if bound is None else float(bound)
 
+    exp = None if spare is None or max_iter < 3 else exponentials(source, spare)
+
     def evaluate(b: Tensor, outer: bool) -> tuple[float, Tensor, _MassSums]:
-        sums = _sums(source, log_target - b, outer).reduce(reduce_fn)
+        sums = _sums(source, log_target - b, outer, exp).reduce(reduce_fn)
         n = float(sums.count)
         return float(sums.log_partition) / n + float(target @ b), target - sums.mass / n, sums
 
@@ -320,4 +393,5 @@ def match_class_masses(
         mass_error=float(gradient.abs().sum()),
         converged=converged,
         evaluations=evaluations,
+        exponentials=exp,
     )

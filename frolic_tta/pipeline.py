@@ -289,6 +289,8 @@ def fit_frolic(
         if head_bias is not None and zero_shot_bias is not None:  # f_g has no label bias of
             start = head_bias.beta ** pool_weight(options.fusion)  # its own, f_f holds omega f_c:
             tight["init"] = start / start.sum()  # its bias starts near beta_c^omega (warm)
+        if zero_shot_bias is not None:  # f_c / tau_c is not read again: the scratch is spare
+            tight["spare"] = scratch
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)

@@ -62,9 +62,14 @@ from frolic_tta.logits import (
     ReduceFn,
     fill,
     identity_reduce,
-    workspace,
 )
-from frolic_tta.matching import MassMatch, floored, match_class_masses
+from frolic_tta.matching import (
+    Exponentials,
+    MassMatch,
+    floored,
+    match_class_masses,
+    unnormalised,
+)
 from frolic_tta.mixture import mixture_weights
 from frolic_tta.options import FrolicOptions, Shrinkage
 
@@ -99,22 +104,26 @@ class TestPriorEstimate:
     head: GaussianHead | None = None
 
 
-def posterior_sums(source: LogitSource, log_offset: Tensor, features: Tensor) -> Tensor:
+def posterior_sums(
+    source: LogitSource,
+    log_offset: Tensor,
+    features: Tensor,
+    exp: Exponentials | None = None,
+) -> Tensor:
     r"""Packed ``[sum_i q_i (K,), sum_i q_i x_i^T (K*d,)]`` of the local shard (float64) for the
     debiased posterior :math:`q_i = \mathrm{softmax}(f(x_i) + \text{offset})` of the logits
-    ``source`` (reduce it, then :func:`refitted_sums`)."""
+    ``source`` (reduce it, then :func:`refitted_sums`); ``exp``: the logits'
+    :class:`~frolic_tta.matching.Exponentials`, if at hand (no exponential then)."""
     k, d = source.num_classes, features.shape[1]
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
-    work: Tensor | None = None  # one chunk-sized temporary for every chunk
-    for start, logits in source.chunks():
-        work = workspace(work, logits)
-        posterior = torch.add(logits, log_offset.to(logits), out=work[0])
-        posterior.sub_(posterior.amax(dim=1, keepdim=True)).exp_()
+    start = 0
+    for posterior, _ in unnormalised(source, log_offset, exp):
         posterior.div_(posterior.sum(dim=1, keepdim=True))
-        block = features[start : start + logits.shape[0]].to(posterior.dtype)
+        block = features[start : start + posterior.shape[0]].to(posterior.dtype)
         count += posterior.sum(0).double()
         weighted += (posterior.t() @ block).double()
+        start += posterior.shape[0]
     return torch.cat([count, weighted.flatten()]).cpu()
 
 
@@ -176,9 +185,13 @@ def estimate_test_prior(
     k = prototypes.shape[0]
     uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
 
-    def match(target: Tensor, start: MassMatch | None = None, cap: int = match_max_iter):
+    def match(
+        target: Tensor, start: MassMatch | None = None, cap: int = match_max_iter, lend=False
+    ) -> MassMatch:
         kwargs = {"eps": match_eps, "max_iter": cap, "prior_floor": prior_floor, "bound": bound}
         init = None if start is None else start.beta  # warm start from the last round
+        spare = buffer if lend else None  # free until the next refit fills it: the logits'
+        kwargs["spare"] = spare  # exponentials, once per matching
         return match_class_masses(source, target, reduce_fn=reduce_fn, init=init, **kwargs)
 
     fitted: list[GaussianHead] = []  # the last mixture refitted
@@ -187,7 +200,7 @@ def estimate_test_prior(
         bias: MassMatch, init: Tensor | None, below: float | None = None
     ) -> tuple[Tensor, float, int, bool]:
         """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
-        packed = reduce_fn(posterior_sums(source, bias.log_offset, features))
+        packed = reduce_fn(posterior_sums(source, bias.log_offset, features, bias.exponentials))
         refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
         fitted[:] = [head]  # only the last refit is kept
@@ -201,7 +214,7 @@ def estimate_test_prior(
 
     # the balanced matching is the refit's starting posterior: a short cap (an imbalanced test
     # set keeps it from converging, and only its posterior is used), finished below if final
-    bias = match(uniform, cap=min(match_max_iter, start_passes or START_PASSES))
+    bias = match(uniform, cap=min(match_max_iter, start_passes or START_PASSES), lend=True)
     try:
         # the balanced refit only decides whether w = 0 (Lambda <= c (K - 1)): its weights stop
         # as soon as that is certain
@@ -213,7 +226,7 @@ def estimate_test_prior(
             UserWarning,
             stacklevel=3,
         )
-        bias = bias if bias.converged else match(uniform, bias)
+        bias = replace(bias if bias.converged else match(uniform, bias), exponentials=None)
         return TestPriorEstimate(uniform, uniform, 0.0, 0.0, bias, 0, bias.evaluations, True)
     passes += bias.evaluations
     weight = shrink_weight(ratio, k, evidence)
@@ -221,9 +234,10 @@ def estimate_test_prior(
         if not bias.converged:
             bias = match(uniform, bias)
             passes += bias.evaluations
+        bias = replace(bias, exponentials=None)  # the buffer holds the refit's logits now
         return TestPriorEstimate(uniform, raw, 0.0, ratio, bias, 0, passes, converged, fitted[-1])
     for _ in range(rounds):
-        bias = match(_shrunk(raw, weight, prior_floor), bias)
+        bias = match(_shrunk(raw, weight, prior_floor), bias, lend=True)
         raw, ratio, inner, done = weights(bias, raw)
         weight = shrink_weight(ratio, k, evidence)
         passes += bias.evaluations + inner

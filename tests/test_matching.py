@@ -93,3 +93,26 @@ def test_a_bound_just_wider_than_the_solution_costs_few_passes(seed):
     bounded = match_class_masses(source, eps=1e-6, max_iter=200, bound=bound)
     assert bounded.converged and bounded.evaluations <= free.evaluations + 3  # measured: +1, +3
     assert float((bounded.beta - free.beta).abs().sum()) < 1e-5
+
+
+@pytest.mark.parametrize("scale", [1.0, 5.0])
+def test_the_exponentials_of_a_spare_buffer_land_on_the_same_fixed_point(scale):
+    # tau_c = 0.01 (rows spread ~20 nats: the exponentials serve every pass) and the same
+    # logits x5 (the over-confident rows spread past 80 nats: every pass falls back to one
+    # exponential per entry); either way the fixed point of the plain passes
+    world = clip_like_world(6_000, 40, 64, seed=3)
+    logits = (world.features @ world.prototypes.T / 0.01).float() * scale
+    plain = match_class_masses(TensorLogits(logits, 1000), eps=1e-6)
+    spare = torch.full_like(logits, float("nan"))
+    lent = match_class_masses(TensorLogits(logits, 1000), eps=1e-6, spare=spare)
+    assert lent.converged and plain.converged
+    assert lent.exponentials is not None and lent.exponentials.values is spare
+    assert (lent.exponentials.depth < 80.0) == (scale == 1.0)
+    torch.testing.assert_close(lent.beta, plain.beta, rtol=1e-5, atol=0.0)
+    assert abs(lent.evaluations - plain.evaluations) <= 1
+    def error(beta):  # float64 L1 distance of the debiased masses to uniform
+        masses = torch.softmax(logits.double() - torch.log(beta), 1).mean(0)
+        return float((masses - 1.0 / 40).abs().sum())
+
+    assert error(lent.beta) == pytest.approx(error(plain.beta), abs=2e-6)
+    assert (error(lent.beta) < 2e-6) == (scale == 1.0)  # x5: classes at the bound stay off
