@@ -13,12 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.special import log_softmax, softmax
 from sklearn.metrics import balanced_accuracy_score, recall_score, top_k_accuracy_score
+from torchmetrics.classification import MulticlassAccuracy
 
 import frolic_tta
 from frolic_tta.lightning.report import format_table
 from frolic_tta.metrics import (
     ROW_METRICS,
     NegativeLogLikelihood,
+    TopKAccuracy,
     evaluate_rows,
     metric_key,
     row_metrics,
@@ -97,7 +99,7 @@ def test_nll_metric_and_small_k():
     assert sorted(metrics.keys()) == sorted(
         ["accuracy/f_d", "top5/f_d", "recall/f_d", "ece/f_d", "nll/f_d", "class_acc/f_d"]
     )
-    assert metrics["top5/f_d"].top_k == 3
+    assert metrics["top5/f_d"].k == 3  # top-K where K < 5
 
 
 def _gloo_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -173,3 +175,15 @@ def test_table_shows_every_metric_with_top1_first():
         "-",
         "0.750",
     ]
+
+
+def test_top_k_accuracy_counts_as_torchmetrics_top_k():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(500, 12, generator=generator).round()  # rounded: many ties
+    target = torch.randint(0, 12, (500,), generator=generator)
+    for k in (1, 3, 5):
+        ours = TopKAccuracy(12, k)
+        ours.update(logits, target)
+        theirs = MulticlassAccuracy(12, top_k=k, average="micro")
+        theirs.update(logits, target)
+        assert float(ours.compute()) == float(theirs.compute())

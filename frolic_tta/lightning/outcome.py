@@ -150,11 +150,16 @@ class RunCounts:
         return RunCounts.unpack(reduce_fn(self.pack()))
 
 
-def fill_output(output: dict[str, Tensor], logits: Tensor) -> dict[str, Tensor]:
+def fill_output(
+    output: dict[str, Tensor], logits: Tensor, probability: Tensor | None = None
+) -> dict[str, Tensor]:
     """Write ``logits`` ``(n_valid, K)`` of the valid rows of one batch's ``output`` (and their
-    prediction, confidence) in place; returns ``output``."""
+    prediction, confidence) in place; returns ``output``. ``probability``: their softmax, if
+    at hand."""
     valid = output["valid"]
-    confidence, prediction = torch.softmax(logits.float(), dim=1).max(1)
+    if probability is None:
+        probability = torch.softmax(logits.float(), dim=1)
+    confidence, prediction = probability.max(1)
     output["prediction"][valid] = prediction.detach().cpu()
     output["confidence"][valid] = confidence.detach().cpu().float()
     if "logits" in output:
@@ -195,9 +200,10 @@ def fill_outputs(
             batch = logits[start : start + n]
         else:
             batch = head.score(features[start : start + n])
-        fill_output(output, batch)
+        after = torch.softmax(batch.float(), 1)
+        fill_output(output, batch, after)
         probability[0] += torch.softmax(batch - offset, 1).sum(0).double().cpu()
-        probability[1] += torch.softmax(batch, 1).sum(0).double().cpu()
+        probability[1] += after.sum(0).double().cpu()
         start += n
     before, after = (reduce_fn(probability) / num_samples).unbind()
     return {"before": before, "after": after}
@@ -218,8 +224,10 @@ def evaluate_fit(
     test prior's diagnostics, and the per-class accuracy ``(K,)`` of each row
     (:func:`frolic_tta.metrics.evaluate_rows`)."""
     keep = labels >= 0
+    given = None if fit.logits is None else {"f_d": fit.logits}  # f_d's buffer, not recomputed
     if not bool(keep.all()):
         features, labels = features[keep], labels[keep]
+        given = None if given is None else {"f_d": given["f_d"][keep]}
     ctx = RowContext(fit.head, fit.sums, features, options, labels, reduce_fn, chunk_size)
     metrics, class_accuracy = evaluate_rows(  # synced over the process group
         build_rows(ctx, rows),
@@ -228,6 +236,7 @@ def evaluate_fit(
         labels,
         num_labelled=num_labelled,
         chunk_size=chunk_size,
+        given=given,
     )
     prior = fit.priors
     metrics.update({"tau_g": fit.head.tau_g, "test_prior/shift_weight": prior.shift_weight})
