@@ -4,7 +4,9 @@ Run: ``python benchmarks/finalize.py`` (about 7 minutes on 2 CPU cores, 4 of the
 ``--quick``: seconds).
 Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
 
-Every case runs in a fresh subprocess so its peak memory is its own. A case does what
+Every case runs in a fresh subprocess so its peak memory is its own; its timed run is repeated
+(``--repeats``, default 3, except the float64 reference, the paper options and the 21k case) and
+the run with the median finalize time is kept (``finalize_s_runs`` lists them all). A case does what
 ``FrolicModule`` does around the encoder: one ``FrolicMoments.update`` per batch of cached
 features (the encode phase's share), then finalize: ``fit_frolic`` (head solve and logit
 buffers, tau_g search, test prior, beta loop) and filling the per-batch outputs with the
@@ -218,13 +220,20 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     run = run_reference if case["mode"] == "reference" else partial(run_ours, case=case)
     with audit:  # shapes only: a dispatch mode costs time on every op, so it is not timed
         run(x, z, probe=Probe(device))
-    probe.start_memory()
-    cpu0, t0 = common.cpu_seconds(), common.now()
-    fit = run(x, z, probe=probe)
-    common.sync(device)
-    wall = common.now() - t0
-    cpu = common.cpu_seconds() - cpu0
-    probe._mark()
+    runs = []
+    for _ in range(case.get("repeats", 1)):  # the median finalize of a few runs (a noisy VM)
+        probe = Probe(device)
+        probe.start_memory()
+        cpu0, t0 = common.cpu_seconds(), common.now()
+        fit = run(x, z, probe=probe)
+        common.sync(device)
+        wall = common.now() - t0
+        cpu = common.cpu_seconds() - cpu0
+        probe._mark()
+        runs.append((wall - probe.seconds.get("moments", 0.0), wall, cpu, probe, fit))
+    runs.sort(key=lambda r: r[0])
+    _, wall, cpu, probe, fit = runs[len(runs) // 2]
+    finalize_runs = [r[0] for r in runs]
     extra = max(probe.peaks.values())
     if isinstance(fit, dict):
         tau_g, beta, prediction = fit["tau_g"], fit["beta"], fit["prediction"].cpu()
@@ -236,6 +245,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     return {
         "wall_s": wall,
         "finalize_s": wall - seconds["moments"],
+        "finalize_s_runs": finalize_runs,
         "seconds": seconds,
         "unattributed_s": wall - sum(seconds.values()),
         "passes": {p: probe.passes.get(p, 0) for p in PHASES},
@@ -283,6 +293,9 @@ def main() -> None:
     )
     parser.add_argument("--only", default=None, help="run only cases whose label contains this")
     parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per case (the median is kept)"
+    )
+    parser.add_argument(
         "--case-timeout",
         type=float,
         default=1800.0,
@@ -305,7 +318,9 @@ def main() -> None:
             continue
         if args.n21k and "21k" in case["label"]:
             case["n_run"] = args.n21k
-        case.update(device=args.device, batch_size=args.batch_size)
+        slow = "21k" in case["label"] or case["mode"] in ("reference", "ours-paper")
+        repeats = 1 if slow else args.repeats
+        case.update(device=args.device, batch_size=args.batch_size, repeats=repeats)
         worker_args = ["benchmarks/finalize.py", "--worker", json.dumps(case)]
         result = common.run_json_worker(worker_args, timeout=args.case_timeout)
         result["date"] = common.machine_info(args.device)["date"]
