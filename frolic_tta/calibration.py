@@ -163,6 +163,7 @@ def match_temperature(
     tol: float = 1e-5,
     max_iter: int = 100,
     reduce_fn: ReduceFn | None = None,
+    zero_shot_sums: tuple[float, float, float] | None = None,
 ) -> float:
     r"""Temperature :math:`\tau_g` whose confidence matches the zero-shot one (Eq. 11).
 
@@ -176,6 +177,10 @@ def match_temperature(
             get the root, not any temperature whose confidence rounds to 1.
         max_iter: cap on search steps (each one pass and one ``reduce_fn`` call).
         reduce_fn: sums a tensor over shards (identity by default).
+        zero_shot_sums: ``(N, deficit, margin)`` of ``zero_shot_logits`` at ``tau_c`` over all
+            shards, if already summed (:class:`~frolic_tta.gda.MomentSums`'
+            ``zero_shot_deficit`` and ``zero_shot_margin``): the search then does not stream
+            the zero-shot logits at all.
 
     Returns:
         :math:`\tau_g > 0`: once within tolerance one more Newton step is taken and kept only
@@ -205,12 +210,15 @@ def match_temperature(
             "Expected `gda_logits` and `zero_shot_logits` to have the same number of samples "
             f"(rows), but got {gda.num_samples} and {zero_shot.num_samples}"
         )
-    # One reduction for the target and the first guess (spread of f_g relative to f_c / tau_c);
-    # each source is streamed once.
-    first = _StartSums(_confidence_sums(zero_shot, tau_c, True), _margin_sum(gda))
-    first = first.reduce(reduce_fn)
-    target = float(first.zero_shot.deficit / first.zero_shot.count)  # 1 - conf(f_c, tau_c)
-    margin_c, margin_g = float(first.zero_shot.margin), float(first.gda_margin)
+    # the target and the first guess (the spread of f_g relative to that of f_c / tau_c)
+    if zero_shot_sums is None:  # one reduction for the target and f_g's margin
+        first = _StartSums(_confidence_sums(zero_shot, tau_c, True), _margin_sum(gda))
+        first = first.reduce(reduce_fn)
+        target = float(first.zero_shot.deficit / first.zero_shot.count)  # 1 - conf(f_c, tau_c)
+        margin_c, margin_g = float(first.zero_shot.margin), float(first.gda_margin)
+    else:  # the target summed already: only f_g's margin is streamed
+        count, deficit, margin_c = zero_shot_sums
+        target, margin_g = deficit / count, float(reduce_fn(_margin_sum(gda)))
     u = math.log(tau_c * margin_g / margin_c) if margin_g > 0 and margin_c > 0 else math.log(tau_c)
     lo, hi = -math.inf, math.inf  # bracket on u: deficit(lo) <= target <= deficit(hi)
     best_u, best_err = u, math.inf

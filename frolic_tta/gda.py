@@ -70,6 +70,9 @@ class MomentSums:
         outer_sum: ``(d, d)`` :math:`\sum_i x_i x_i^\top`.
         soft_count: ``(K,)`` :math:`\sum_i p_{ij}` under the zero-shot posterior.
         soft_sum: ``(K, d)`` :math:`\sum_i p_{ij} x_i`.
+        zero_shot_deficit: ``()`` :math:`\sum_i (1 - \max_j p_{ij})`, the target of
+            :math:`\tau_g` (Eqs. 10-11), or ``None`` (a pass over the logits sums it).
+        zero_shot_margin: ``()`` :math:`\sum_i (\max_j - \operatorname{mean}_j) f_{c,ij}/\tau_c`.
     """
 
     count: Tensor
@@ -77,6 +80,8 @@ class MomentSums:
     outer_sum: Tensor
     soft_count: Tensor
     soft_sum: Tensor
+    zero_shot_deficit: Tensor | None = None
+    zero_shot_margin: Tensor | None = None
 
     @property
     def mean(self) -> Tensor:
@@ -84,11 +89,13 @@ class MomentSums:
         return self.feature_sum / self.count
 
     def reduce(self, reduce_fn: ReduceFn) -> MomentSums:
-        """Sum every field over shards with ``reduce_fn``."""
-        return MomentSums(*(reduce_fn(getattr(self, f.name)) for f in fields(self)))
+        """Sum every field over shards with ``reduce_fn`` (``None`` fields stay ``None``)."""
+        values = [getattr(self, f.name) for f in fields(self)]
+        return MomentSums(*(None if v is None else reduce_fn(v) for v in values))
 
     def __add__(self, other: MomentSums) -> MomentSums:
-        return MomentSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        pairs = [(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)]
+        return MomentSums(*(None if a is None or b is None else a + b for a, b in pairs))
 
 
 def scaled_zero_shot(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
@@ -131,11 +138,6 @@ def zero_shot_buffer(
     return out
 
 
-def zero_shot_posterior(features: Tensor, prototypes: Tensor, tau_c: float) -> Tensor:
-    r"""Zero-shot posterior :math:`\mathrm{softmax}(x Z^\top / \tau_c)` in float64, ``(N, K)``."""
-    return torch.softmax(scaled_zero_shot(features, prototypes, tau_c), dim=1)
-
-
 def moment_sums(
     features: Tensor, prototypes: Tensor, tau_c: float, keep: list[Tensor] | None = None
 ) -> MomentSums:
@@ -162,13 +164,20 @@ def moment_sums(
     scaled = scaled_zero_shot(x, prototypes, tau_c)
     if keep is not None:
         keep.append(scaled.to(compute_dtype(features)))
-    posterior = torch.softmax(scaled, dim=1)
+    # the softmax with the top class's term (exactly 1) left out of r = sum_{j != a} e_j, so
+    # the deficit r / (1 + r) keeps its digits where 1 - max_j p_ij rounds to 0
+    top, where = scaled.max(dim=1, keepdim=True)
+    posterior = torch.sub(scaled, top).exp_()
+    rest = posterior.scatter_(1, where, 0.0).sum(1, keepdim=True)
+    posterior.scatter_(1, where, 1.0).div_(1.0 + rest)
     return MomentSums(
         count=torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
         feature_sum=x.sum(0),
         outer_sum=x.t() @ x,
         soft_count=posterior.sum(0),
         soft_sum=posterior.t() @ x,
+        zero_shot_deficit=(rest / (1.0 + rest)).sum(),
+        zero_shot_margin=(top.squeeze(1) - scaled.mean(1)).sum(),
     )
 
 

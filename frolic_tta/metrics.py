@@ -15,7 +15,7 @@ r"""Statistics accumulated across ranks, as torchmetrics ``Metric`` states.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -72,6 +72,8 @@ class FrolicMoments(Metric):
     outer_sum: Tensor
     soft_count: Tensor
     soft_sum: Tensor
+    zero_shot_deficit: Tensor
+    zero_shot_margin: Tensor
     prototypes: Tensor
 
     def __init__(
@@ -92,6 +94,8 @@ class FrolicMoments(Metric):
         self.add_state("outer_sum", torch.zeros(d, d, dtype=f64), dist_reduce_fx="sum")
         self.add_state("soft_count", torch.zeros(k, dtype=f64), dist_reduce_fx="sum")
         self.add_state("soft_sum", torch.zeros(k, d, dtype=f64), dist_reduce_fx="sum")
+        self.add_state("zero_shot_deficit", torch.zeros((), dtype=f64), dist_reduce_fx="sum")
+        self.add_state("zero_shot_margin", torch.zeros((), dtype=f64), dist_reduce_fx="sum")
 
     def update(self, features: Tensor) -> None:
         """Add a batch of features ``(n, d)`` (any float dtype; accumulated in float64).
@@ -108,6 +112,8 @@ class FrolicMoments(Metric):
         self.outer_sum += sums.outer_sum
         self.soft_count += sums.soft_count
         self.soft_sum += sums.soft_sum
+        self.zero_shot_deficit += cast(Tensor, sums.zero_shot_deficit)
+        self.zero_shot_margin += cast(Tensor, sums.zero_shot_margin)
 
     def zero_shot_logits(self) -> Tensor | None:
         r"""This rank's kept :math:`f_c/\tau_c` ``(N_local, K)`` in update order (``None``
@@ -132,6 +138,8 @@ class FrolicMoments(Metric):
             self.outer_sum.double(),
             self.soft_count.double(),
             self.soft_sum.double(),
+            self.zero_shot_deficit.double(),
+            self.zero_shot_margin.double(),
         )
 
 

@@ -225,10 +225,10 @@ def fit_frolic(
         gaussian, head_bias = estimate.head, estimate.bias
     elif debias_head:
         report("zero-shot prior")
-        head_bias = match(
-            zero_shot, method="soft", bound=head_box, eps=head_eps, name=ZERO_SHOT_BETA
-        )
-        packed = posterior_sums(zero_shot, head_bias.log_offset, features)
+        spare = {"bound": head_box, "eps": head_eps, "spare": buffer}  # f_g's, until filled
+        head_bias = match(zero_shot, method="soft", name=ZERO_SHOT_BETA, **spare)
+        packed = posterior_sums(zero_shot, head_bias.log_offset, features, head_bias.exponentials)
+        head_bias = dataclasses.replace(head_bias, exponentials=None)
         head_sums = refitted_sums(sums, reduce_fn(packed))
         gaussian = fit_gaussian_head(head_sums, prototypes, "soft", options.shrinkage)
     if head_bias is not None and options.bias == "soft":  # the reported beta-hat_c, boxed
@@ -260,6 +260,7 @@ def fit_frolic(
         zero_shot = scaled.source(features, chunk_size)
         zero_shot = zero_shot if scratch is None else fill(scratch, zero_shot)
     report("temperature")
+    summed = sums.zero_shot_deficit is not None and options.zero_shot != "inmap_both"
     tau_g, fused = _fuse(
         features,
         zero_shot,
@@ -271,6 +272,7 @@ def fit_frolic(
         chunk_size,
         gaussian,
         filled=estimate is not None and estimate.head is not None,
+        target=_confidence_target(sums) if summed else None,
     )
     if options.test_prior == "em" and estimate is None:  # on the fused posterior
         report("test prior")
@@ -339,11 +341,12 @@ def _fuse(
     chunk_size: int | None,
     gaussian: GaussianHead,
     filled: bool = False,
+    target: tuple[float, float, float] | None = None,
 ) -> tuple[float, LogitSource]:
     r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12, weighted by
     :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
     in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
-    recomputed by chunks."""
+    recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand."""
     gda = gaussian.gda().source(features, chunk_size)
     if buffer is not None:
         gda = TensorLogits(buffer, chunk_size) if filled else fill(buffer, gda)
@@ -351,7 +354,8 @@ def _fuse(
         tau_g = tau_c
     else:
         tol = options.solver.temperature_tol
-        tau_g = match_temperature(gda, zero_shot, 1.0, tol=tol, reduce_fn=reduce_fn)
+        kwargs = {"tol": tol, "reduce_fn": reduce_fn, "zero_shot_sums": target}
+        tau_g = match_temperature(gda, zero_shot, 1.0, **kwargs)
     weight = pool_weight(options.fusion)
     if buffer is None:
         return tau_g, fused_map(z, gaussian, tau_c, tau_g, weight).source(features, chunk_size)
@@ -360,6 +364,11 @@ def _fuse(
         if weight != 1.0:
             rows.mul_(weight)
     return tau_g, TensorLogits(buffer, chunk_size)
+
+
+def _confidence_target(sums: MomentSums) -> tuple[float, float, float]:
+    """``(N, deficit, margin)`` of the zero-shot posterior from the moment sums."""
+    return float(sums.count), float(sums.zero_shot_deficit), float(sums.zero_shot_margin)
 
 
 def _silent(phase: str) -> None:

@@ -5,6 +5,8 @@ from the features alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -54,3 +56,38 @@ def test_kept_logits_of_the_wrong_shape_are_rejected(world):
     with pytest.raises(ValueError, match=r"Expected `zero_shot_logits` of shape \(700, 12\) "
                        r"\(N_local, K\), but got \(699, 12\)"):  # fmt: skip
         fit_frolic(x, z, zero_shot_logits=torch.zeros(699, 12))
+
+
+def test_the_moments_sum_the_zero_shot_confidence_target_without_cancellation(world):
+    x, z = world
+    metric = kept_moments(x, z)
+    sums = metric.compute()
+    scaled = scaled_zero_shot(x, z, 0.01)
+    top = scaled.max(1, keepdim=True).values
+    rest = torch.exp(scaled - top).sum(1) - 1.0  # float64 reference (rows are not confident)
+    assert float(sums.zero_shot_deficit) == pytest.approx(float((rest / (1 + rest)).sum()))
+    margin = (top.squeeze(1) - scaled.mean(1)).sum()
+    assert float(sums.zero_shot_margin) == pytest.approx(float(margin), rel=1e-12)
+    # confident rows (images on their prototypes at tau_c 0.001: 1 - p_max is ~1e-100, 0 in
+    # float64 after the subtraction) keep their deficit
+    confident = moment_sums_of(z[:6], z, tau_c=0.001)
+    scaled = scaled_zero_shot(z[:6], z, 0.001)
+    others = scaled - scaled.diagonal()[:, None]  # each row's top class is its own (the diagonal)
+    r = torch.exp(others.fill_diagonal_(-torch.inf)).sum(1)
+    assert float(r.max()) < 1e-20 and float((1.0 - torch.softmax(scaled, 1).amax(1)).max()) == 0
+    assert float(confident.zero_shot_deficit) == pytest.approx(float((r / (1 + r)).sum()))
+
+
+def moment_sums_of(x, z, tau_c):
+    metric = FrolicMoments(z, tau_c)
+    metric.update(x)
+    return metric.compute()
+
+
+def test_tau_g_from_the_summed_target_equals_the_streamed_one(world):
+    x, z = world
+    sums = kept_moments(x, z).compute()
+    fit = fit_frolic(x, z, sums=sums)  # the target from the moments
+    streamed = fit_frolic(x, z, sums=replace(sums, zero_shot_deficit=None, zero_shot_margin=None))
+    assert fit.head.tau_g == pytest.approx(streamed.head.tau_g, rel=1e-6)
+    torch.testing.assert_close(fit.logits, streamed.logits, rtol=1e-5, atol=1e-5)
