@@ -5,7 +5,7 @@ Run: ``python benchmarks/finalize.py`` (about 7 minutes on 2 CPU cores, 4 of the
 Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
 
 Every case runs in a fresh subprocess so its peak memory is its own; its timed run is repeated
-(``--repeats``, default 3, except the float64 reference, the paper options and the 21k case) and
+(``--repeats``, default 5, except the float64 reference, the paper options and the 21k case) and
 the run with the median finalize time is kept (``finalize_s_runs`` lists them all). A case does what
 ``FrolicModule`` does around the encoder: one ``FrolicMoments.update`` per batch of cached
 features (the encode phase's share), then finalize: ``fit_frolic`` (head solve and logit
@@ -293,7 +293,7 @@ def main() -> None:
     )
     parser.add_argument("--only", default=None, help="run only cases whose label contains this")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per case (the median is kept)"
+        "--repeats", type=int, default=5, help="timed runs per case (the median is kept)"
     )
     parser.add_argument(
         "--case-timeout",
