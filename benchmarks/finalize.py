@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from functools import partial
 from typing import Any
 
@@ -322,7 +323,14 @@ def main() -> None:
         repeats = 1 if slow else args.repeats
         case.update(device=args.device, batch_size=args.batch_size, repeats=repeats)
         worker_args = ["benchmarks/finalize.py", "--worker", json.dumps(case)]
-        result = common.run_json_worker(worker_args, timeout=args.case_timeout)
+        try:
+            result = common.run_json_worker(worker_args, timeout=args.case_timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:  # keep the other cases
+            stopped = f"{common.machine_info(args.device)['date']}: {str(error)[-300:]}"
+            print(f"{case['label']}: stopped ({stopped})", flush=True)
+            if case["label"] in previous:  # the last completed run stays, with the attempt
+                previous[case["label"]]["result"]["rerun_stopped"] = stopped
+            continue
         result["date"] = common.machine_info(args.device)["date"]
         if case["n_run"] != case["n"]:
             result["extrapolated"] = scale(result, case["n"] / case["n_run"])

@@ -395,6 +395,12 @@ def limits_note(over: dict[str, Any] | None, fin: dict[str, Any] | None) -> str:
             "`python benchmarks/finalize.py --only 21k --n21k 200000` was stopped by the "
             "script's 30-minute limit per case; add `--case-timeout 14400` to let it run."
         )
+        if r.get("rerun_stopped"):
+            notes.append(
+                f"The 21k row is the run of {r['date']}; a re-run at N = {c['n_run']:,} with the "
+                f"code of {fin['machine']['date']} was stopped at its time limit "
+                f"({r['rerun_stopped'].split(': ')[0]}), so the row is not that code's."
+            )
     if over:
         big = at_imagenet(over, fin)
         share = big["finalize_s"] / big["zero_shot_s"]
