@@ -185,7 +185,10 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
         "such a tensor (`TorchDispatchMode` audit; from 2026-11-24 in a separate run, not timed, "
         "as the mode costs time on every op). * N-linear phases scaled from the run's "
         "N, same iteration counts assumed. cores used = CPU time / wall time of the case (2 = both "
-        "cores were ours)."
+        "cores were ours). Each case's timed run is repeated (5 times since 2026-11-26, once for "
+        "the float64 reference, the paper options and the 21k case) and the run with the median "
+        "finalize time is shown; this VM's runs spread by up to 30% (`finalize_s_runs` in the "
+        "JSON)."
     )
     capped = [e["case"]["label"] for e in p["cases"] if e["result"]["beta_steps"] >= 100]
     if capped:
