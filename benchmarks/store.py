@@ -8,20 +8,23 @@ dtype (float32, float16) in a fresh process:
 
 * **write**: the features as 8 rank shards (rank r holds indices r, r + 8, ...: what 8 GPUs
   write) and the manifest (``frolic_tta.data.store``: ``write_shard``, ``write_manifest``,
-  which reads every shard back and hashes it);
+  which reads every shard back and hashes it); then the moment sums kept with them
+  (``add_store_moments``: computed from the store as read back, as for a float16 store; a
+  float32 store written by ``FeatureStoreWriter`` keeps the run's own sums without this pass);
 * **load**: ``load_store`` with the key check and each shard's SHA-256 verified, joined by
   global index (float16: back to float32, re-normalised);
 * **refit**: ``trainer.predict`` of a real ``FrolicModule`` (ViT-B-16 architecture, not used:
   its ``build_prototypes`` returns the generated prototypes) over a DataLoader of the stored
-  features, batch 256, ``ablations=False``, on the CPU: the predict loop without the encoder
-  (batches, moment updates) and finalize (head, tau_g, beta, filling the outputs), measured
-  inside the run, the median of 3 runs; and once with ``ablations=True`` (every Table 3/4 row,
-  labels given).
+  features and their moment sums (``FeatureDataset(..., moments=stored.moments)``), batch
+  256, ``ablations=False``, on the CPU: the predict loop without the encoder (batches, N and
+  sum x, the kept zero-shot logits) and finalize (head, tau_g, beta, filling the outputs, f_d's
+  metrics), measured inside the run, the median of 3 runs; once with ``ablations=True`` (every
+  Table 3/4 row, labels given); and once without the stored sums (the loop computes them).
 
 The encode cost beside it is ``benchmarks/results/overhead.json``'s: ViT-B-16 per image on this
 CPU, times 50,000, and its text-prototype time (1,000 classes x 80 templates), which a refit
-pays again (the store holds image features only). The estimator measured is the one checked
-out (``commit`` in the JSON).
+pays again (the store holds image features and moment sums, no text features). The estimator
+measured is the one checked out (``commit`` in the JSON).
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ from torch.utils.data import DataLoader
 
 from frolic_tta import FrolicModule
 from frolic_tta.data.store import FeatureDataset, load_store, write_manifest, write_shard
+from frolic_tta.data.store_moments import StoredMoments
+from frolic_tta.lightning.store import add_store_moments
 
 for _name in ("lightning.pytorch", "lightning.fabric"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
 GOAL_REFIT_S = 5.0
+TAU_C = 0.01
 RANKS = 8
 KEY = {"format": 1, "model_name": "benchmark", "dataset": "clip-like"}
 
@@ -73,13 +79,19 @@ class GivenPrototypes(FrolicModule):
         self.finalize_s = common.now() - start
 
 
-def refit(features: Tensor, labels: Tensor, prototypes: Tensor, ablations: bool) -> dict:
+def refit(
+    features: Tensor,
+    labels: Tensor,
+    prototypes: Tensor,
+    ablations: bool,
+    moments: StoredMoments | None = None,
+) -> dict:
     module = GivenPrototypes(
         model_name="ViT-B-16",
         pretrained=None,
         class_names=[f"class {j}" for j in range(prototypes.shape[0])],
         templates=["{}"],
-        tau_c=0.01,
+        tau_c=TAU_C,
         ablations=ablations,
     )
     module.prototypes_given = prototypes
@@ -87,7 +99,7 @@ def refit(features: Tensor, labels: Tensor, prototypes: Tensor, ablations: bool)
         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False,
     )  # fmt: skip
-    loader = DataLoader(FeatureDataset(features, labels), batch_size=256)
+    loader = DataLoader(FeatureDataset(features, labels, moments=moments), batch_size=256)
     start, cpu = common.now(), common.cpu_seconds()
     outputs = trainer.predict(module, loader)
     total, cpu = common.now() - start, common.cpu_seconds() - cpu
@@ -100,6 +112,7 @@ def refit(features: Tensor, labels: Tensor, prototypes: Tensor, ablations: bool)
         "images_encoded": module.images_encoded,
         "accuracy": float((prediction == labels).double().mean()),
         "tau_g": module.head.tau_g,
+        "moments_from_store": module.outcome.moments_from_store,
     }
 
 
@@ -115,22 +128,26 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
             write_shard(folder, rank, index, features[index].to(dtype), labels[index])
         write_manifest(folder, KEY, RANKS)
         write_s = common.now() - start
+        add_store_moments(folder, prototypes, TAU_C)
+        moments_s = common.now() - start - write_s
         size = sum(p.stat().st_size for p in folder.iterdir())
         start = common.now()
         stored = load_store(folder, KEY)
         load_s = common.now() - start
         error = float((stored.features - features).abs().max())
+        data = (stored.features, stored.labels, prototypes)
         repeats = [
-            refit(stored.features, stored.labels, prototypes, ablations=False)
-            for _ in range(case["repeats"])
+            refit(*data, ablations=False, moments=stored.moments) for _ in range(case["repeats"])
         ]
         median = sorted(repeats, key=lambda r: r["predict_s"])[len(repeats) // 2]
         runs = {"refit": {**median, "predict_s_runs": [r["predict_s"] for r in repeats]}}
-        runs["refit, every row"] = refit(stored.features, stored.labels, prototypes, True)
+        runs["refit, every row"] = refit(*data, ablations=True, moments=stored.moments)
+        runs["refit, moments computed"] = refit(*data, ablations=False)  # a store without them
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {
         "write_s": write_s,
+        "moments_s": moments_s,
         "store_mib": size / 2**20,
         "load_s": load_s,
         "max_abs_feature_error": error,

@@ -46,6 +46,39 @@ def compute_dtype(tensor: Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
+class RowBuffer:
+    """Rows appended batch by batch into one tensor, allocated once for ``capacity`` rows
+    (grown by doubling when more come): :meth:`rows` is the filled part, a view, so the
+    batches need no concatenation (no second copy, no second allocation at finalize).
+
+    Args:
+        capacity: rows expected (``0``: the first batch's).
+        dtype: the stored dtype (``None``: the first batch's); batches are cast on copy.
+    """
+
+    def __init__(self, capacity: int = 0, dtype: torch.dtype | None = None) -> None:
+        self.capacity, self.dtype = max(0, int(capacity)), dtype
+        self.data: Tensor | None = None
+        self.used = 0
+
+    def append(self, batch: Tensor) -> None:
+        """Copy ``batch`` ``(n, ...)`` after the rows so far."""
+        n, end = batch.shape[0], self.used + batch.shape[0]
+        if self.data is None:
+            size = (max(self.capacity, n), *batch.shape[1:])
+            self.data = batch.new_empty(size, dtype=self.dtype or batch.dtype)
+        elif end > self.data.shape[0]:
+            grown = self.data.new_empty((max(2 * self.data.shape[0], end), *self.data.shape[1:]))
+            grown[: self.used] = self.data[: self.used]
+            self.data = grown
+        self.data[self.used : end] = batch
+        self.used = end
+
+    def rows(self, empty: Tensor | None = None) -> Tensor | None:
+        """The ``used`` rows (a view); ``empty`` (or ``None``) when nothing was appended."""
+        return empty if self.data is None else self.data[: self.used]
+
+
 class LogitSource:
     """Logits of the local shard, delivered as row chunks.
 

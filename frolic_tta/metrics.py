@@ -26,9 +26,15 @@ from torchmetrics.classification import (
     MulticlassRecall,
 )
 
-from frolic_tta.gda import MomentSums, moment_sums
+from frolic_tta.gda import MomentSums, moment_sums, scaled_zero_shot
 from frolic_tta.head import FrolicHead
-from frolic_tta.logits import DEFAULT_CHUNK_SIZE, AffineMap, TensorLogits
+from frolic_tta.logits import (
+    DEFAULT_CHUNK_SIZE,
+    AffineMap,
+    RowBuffer,
+    TensorLogits,
+    compute_dtype,
+)
 from frolic_tta.options import check_positive
 from frolic_tta.rows import ROWS, available_rows
 from frolic_tta.validation import check_matrix, check_prototypes
@@ -46,6 +52,11 @@ class FrolicMoments(Metric):
             every batch (rounded from the float64 products the soft sums are computed from;
             local, never synced) for :meth:`zero_shot_logits`: finalize's first buffer
             without one more ``(N, K, d)`` product.
+        rows: rows this rank expects (the kept logits' buffer is allocated once for them).
+        soft: accumulate every sum; ``False``: N and :math:`\sum_i x_i` only (with the kept
+            logits), where the rest is known (a feature store's sums,
+            :mod:`frolic_tta.data.store_moments`, checked against these two): no float64
+            products for the soft sums.
 
     Raises:
         TypeError: ``tau_c`` is not a real number.
@@ -77,11 +88,17 @@ class FrolicMoments(Metric):
     prototypes: Tensor
 
     def __init__(
-        self, prototypes: Tensor, tau_c: float = 0.01, keep_logits: bool = False, **kwargs: Any
+        self,
+        prototypes: Tensor,
+        tau_c: float = 0.01,
+        keep_logits: bool = False,
+        soft: bool = True,
+        rows: int = 0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.keep_logits = keep_logits
-        self.kept: list[Tensor] = []
+        self.keep_logits, self.soft, self.rows = keep_logits, soft, rows
+        self.kept = RowBuffer(rows)
         check_prototypes(prototypes)
         k, d = prototypes.shape
         self.tau_c = check_positive("tau_c", tau_c)
@@ -105,8 +122,19 @@ class FrolicMoments(Metric):
                 or inf (checked as in :func:`frolic_tta.frolic`).
         """
         check_matrix("features", features, min_rows=0, cols=self.prototypes.shape[1])
-        keep = self.kept if self.keep_logits else None
-        sums = moment_sums(features.to(self.prototypes.device), self.prototypes, self.tau_c, keep)
+        x = features.to(self.prototypes.device)
+        if self.keep_logits:
+            self.kept.dtype = compute_dtype(x)
+        if not self.soft:
+            self.count += x.shape[0]
+            self.feature_sum += x.to(torch.float64).sum(0)
+            if self.keep_logits:  # rounded on copy, as moment_sums rounds them
+                self.kept.append(scaled_zero_shot(x, self.prototypes, self.tau_c))
+            return
+        keep: list[Tensor] | None = [] if self.keep_logits else None
+        sums = moment_sums(x, self.prototypes, self.tau_c, keep)
+        if keep:
+            self.kept.append(keep[0])
         self.count += sums.count
         self.feature_sum += sums.feature_sum
         self.outer_sum += sums.outer_sum
@@ -120,15 +148,14 @@ class FrolicMoments(Metric):
         without ``keep_logits``); handed over once: the metric keeps no reference."""
         if not self.keep_logits:
             return None
-        kept, self.kept = self.kept, []
-        if not kept:
-            return self.prototypes.new_empty((0, self.prototypes.shape[0]), dtype=torch.float32)
-        return kept[0] if len(kept) == 1 else torch.cat(kept)
+        kept, self.kept = self.kept, RowBuffer(self.rows)
+        empty = self.prototypes.new_empty((0, self.prototypes.shape[0]), dtype=torch.float32)
+        return kept.rows(empty)
 
     def reset(self) -> None:
         """Zero the sums and drop the kept logits."""
         super().reset()
-        self.kept = []
+        self.kept = RowBuffer(self.rows)
 
     def compute(self) -> MomentSums:
         """The (synced) sums as float64 :class:`MomentSums`."""

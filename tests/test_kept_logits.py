@@ -40,6 +40,21 @@ def test_kept_logits_are_the_float64_products_rounded_in_update_order(world):
     assert FrolicMoments(z, 0.01).zero_shot_logits() is None  # not kept by default
 
 
+@pytest.mark.parametrize("rows", [0, 120, 700, 5000], ids=["none", "grown", "exact", "spare"])
+def test_kept_logits_in_one_buffer_of_any_capacity_and_with_stored_sums(world, rows):
+    x, z = world
+    exact = scaled_zero_shot(x, z, 0.01).float()
+    for soft in (True, False):  # False: a feature store's sums, N and sum x only
+        metric = FrolicMoments(z, 0.01, keep_logits=True, soft=soft, rows=rows)
+        for start in range(0, 700, 64):
+            metric.update(x[start : start + 64])
+        sums = metric.compute()
+        assert float(sums.count) == 700.0
+        torch.testing.assert_close(sums.feature_sum, x.double().sum(0), rtol=0, atol=1e-12)
+        assert bool((sums.soft_count > 0).all()) == soft  # skipped without soft sums
+        assert torch.equal(metric.zero_shot_logits(), exact)
+
+
 def test_fit_from_kept_logits_equals_the_fit_from_features_alone(world):
     x, z = world
     metric = kept_moments(x, z)

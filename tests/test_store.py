@@ -82,7 +82,7 @@ def test_store_written_by_two_processes_is_read_by_one(
     main(store_args(tiny_clip, image_folder, tmp_path, store, "--trainer.devices", "1"))
     assert encoder_calls == []  # the image encoder never ran
     metrics, logits = read_run(tmp_path)
-    assert metrics["images_encoded"] == 0
+    assert metrics["images_encoded"] == 0 and metrics["moments_from_store"]  # 2 ranks' sums
     assert metrics["features"].startswith(f"feature store {store} ({N} x 32 float32, written by 2")
     assert torch.equal(logits["index"], torch.arange(N))
     assert torch.equal(logits["prediction"], ddp_logits["prediction"])
@@ -109,6 +109,7 @@ def test_refit_from_the_store_equals_a_run_without_it(
             assert torch.equal(runs[name][1][key], plain[key]), (name, key)
         assert runs[name][0]["accuracy"] == runs["plain"][0]["accuracy"]
         assert runs[name][0]["tau_g"] == runs["plain"][0]["tau_g"]
+    assert [runs[name][0]["moments_from_store"] for name in runs] == [False, False, True]
     assert runs["plain"][0]["features"] == "encoded"
 
 
@@ -136,7 +137,7 @@ def test_a_store_of_other_features_is_refused(
     main(store_args(tiny_clip, image_folder, tmp_path / "twelve", store, *twelve))
     assert sum(encoder_calls) == 12
     assert json.loads((store / MANIFEST).read_text())["num_samples"] == 12
-    assert sorted(p.name for p in store.iterdir()) == ["features_rank0.pt", MANIFEST]
+    assert sorted(p.name for p in store.iterdir()) == ["features_rank0.pt", MANIFEST, "moments.pt"]
 
 
 # ---------------------------------------------------------------- the store functions

@@ -205,9 +205,9 @@ class _IndexedDataModule(L.LightningDataModule):
         folder = Path(self.feature_store)  # type: ignore[arg-type]
         mode = self.feature_store_mode
         if mode == "read" or (mode == "auto" and has_manifest(folder)):
-            stored = load_store(folder, key)
-            self.dataset = FeatureDataset(stored.features, stored.labels, stored.errors)  # type: ignore[assignment]
-            self.feature_source = stored.describe(folder)
+            s = load_store(folder, key)
+            self.dataset = FeatureDataset(s.features, s.labels, s.errors, s.moments)  # type: ignore[assignment]
+            self.feature_source = s.describe(folder)
             return
         self.store_request = StoreRequest(folder, key, self.feature_store_dtype)
         self.feature_source = f"encoded, stored in {folder} ({self.feature_store_dtype})"

@@ -50,6 +50,7 @@ from frolic_tta.data.store_key import (
     samples_fingerprint,
     weights_fingerprint,
 )
+from frolic_tta.data.store_moments import StoredMoments, read_moments
 from frolic_tta.errors import FrolicInputError
 
 __all__ = [
@@ -245,13 +246,15 @@ def _load_shard(path: Path, folder: Path) -> dict[str, Tensor]:
 @dataclass(frozen=True)
 class StoredFeatures:
     """A loaded store: ``features`` ``(N, d)`` float32 in global index order, ``labels``
-    ``(N,)`` or ``None``, the ``manifest``, and ``errors`` (per sample, why its image could not
-    be read, ``""`` if it was; ``None`` when every image was read)."""
+    ``(N,)`` or ``None``, the ``manifest``, ``errors`` (per sample, why its image could not
+    be read, ``""`` if it was; ``None`` when every image was read) and the store's ``moments``
+    (:mod:`frolic_tta.data.store_moments`; ``None``: it keeps none)."""
 
     features: Tensor
     labels: Tensor | None
     manifest: dict[str, Any]
     errors: list[str] | None = None
+    moments: StoredMoments | None = None
 
     def describe(self, directory: str | os.PathLike[str]) -> str:
         """One line for reports: where the features come from."""
@@ -277,8 +280,8 @@ def load_store(
         verify: Compare each shard's size and SHA-256 with the manifest.
 
     Raises:
-        FeatureStoreError: no manifest, another key, a shard missing, changed or unreadable,
-            or an index out of range, missing or seen twice.
+        FeatureStoreError: no manifest, another key, a shard (or the moments file) missing,
+            changed or unreadable, or an index out of range, missing or seen twice.
     """
     folder = Path(directory)
     if not has_manifest(folder):
@@ -347,7 +350,8 @@ def load_store(
         )
     if manifest.get("dtype") != "float32":  # rounded: back on the unit sphere
         features = features / features.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return StoredFeatures(features, labels, manifest, errors)
+    moments = read_moments(folder, manifest, verify)
+    return StoredFeatures(features, labels, manifest, errors, moments)
 
 
 class FeatureDataset(Dataset):
@@ -359,12 +363,19 @@ class FeatureDataset(Dataset):
         features: ``(N, d)`` features in global index order.
         labels: ``(N,)`` labels or ``None``.
         errors: ``N`` reasons a sample's image could not be read (``""``: read), or ``None``.
+        moments: the store's moment sums (``StoredFeatures.moments``): a ``FrolicModule``
+            predicting over this dataset skips their pass where they are for its prototypes.
     """
 
     def __init__(
-        self, features: Tensor, labels: Tensor | None = None, errors: list[str] | None = None
+        self,
+        features: Tensor,
+        labels: Tensor | None = None,
+        errors: list[str] | None = None,
+        moments: StoredMoments | None = None,
     ) -> None:
         self.features, self.labels, self.errors = features, labels, errors
+        self.moments = moments
 
     def __len__(self) -> int:
         return self.features.shape[0]

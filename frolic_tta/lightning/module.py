@@ -74,11 +74,13 @@ from frolic_tta.lightning.outcome import (
     fill_output,
     fill_outputs,
     outcome_field,
+    placeholders,
     predict_loader,
 )
 from frolic_tta.lightning.progress import FinalizeProgress
 from frolic_tta.lightning.provenance import check_provenance
-from frolic_tta.lightning.store import FeatureStoreWriter, writes_store
+from frolic_tta.lightning.store import FeatureStoreWriter, checked_sums, stored_sums, writes_store
+from frolic_tta.logits import RowBuffer
 from frolic_tta.metrics import FrolicMoments
 from frolic_tta.options import FrolicOptions, options_from_dict
 from frolic_tta.pipeline import fit_frolic
@@ -159,9 +161,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         stored = ckpt.read_stored_head(head_file) if head_file is not None else None
         self.head: FrolicHead | None = None if stored is None else stored.head
         if stored is not None:
-            self.class_names = ckpt.head_class_names(
-                self.head, self.class_names, stored.class_names
-            )
+            names = ckpt.head_class_names(self.head, self.class_names, stored.class_names)
+            self.class_names = names
         self.reuse_head = reuse_head or head_file is not None
         self.clip, self.preprocess, self.tokenizer, self.encoder_ = ckpt.load_clip(
             model_name, pretrained, stored, save_clip_weights and ckpt.loading_checkpoint()
@@ -195,8 +196,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
 
     def _reset(self) -> None:
         self._outcome: PredictOutcome | None = None
-        self._features: list[Tensor] = []
-        self._labels: list[Tensor] = []
+        self._features, self._labels = RowBuffer(), RowBuffer()  # this rank's usable rows
         self._outputs: list[dict[str, Tensor]] = []
         self.prototypes_: Tensor | None = None  #: ``(K, d)`` of this predict (online reads it)
         self._last_batch = -1
@@ -271,6 +271,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             self._dataset_length, world, int(num_batches), loader.batch_size
         )
         self._skipped = samples.SkippedSamples(self.hparams.max_skipped_fraction, expected)
+        self._features.capacity = self._labels.capacity = expected  # allocated once
         self._last_batch = int(num_batches) - 1
         if self.reuse_head:
             return
@@ -281,7 +282,10 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             )
         self.prototypes_ = self.build_prototypes()
         keep = self.hparams.return_logits  # f_c / tau_c of the products, finalize's buffer
-        self.moments = FrolicMoments(self.prototypes_, self.tau_c, keep).to(self.device)
+        self._stored = stored_sums(loader.dataset, self.prototypes_, self.tau_c)  # a store's
+        soft = self._stored is None  # else N and sum x only, checked in finalize
+        moments = FrolicMoments(self.prototypes_, self.tau_c, keep, soft, rows=expected)
+        self.moments = moments.to(self.device)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
@@ -291,16 +295,9 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         self.batch_features = features
         valid, reasons = samples.sample_validity(features, errors)
         self._skipped.add(index.detach().cpu(), reasons)
-        output: dict[str, Tensor] = {"index": index.detach().cpu(), "valid": valid}
-        if labels is not None:
-            output["target"] = labels.detach().cpu()
-        mask = valid.to(features.device)
-        n = features.shape[0]
         k = self.head.prototypes.shape[0] if self.reuse_head else self.prototypes_.shape[0]
-        if self.hparams.return_logits:
-            output["logits"] = torch.full((n, k), float("nan"), dtype=torch.float32)
-        output["prediction"] = torch.full((n,), -1, dtype=torch.long)
-        output["confidence"] = torch.full((n,), float("nan"), dtype=torch.float32)
+        output = placeholders(index, valid, labels, k, self.hparams.return_logits)
+        mask, n = valid.to(features.device), features.shape[0]
         if self.reuse_head:
             return fill_output(output, self.head.score(features[mask]))
         with torch.autocast(self.device.type, enabled=False):
@@ -333,7 +330,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
 
     def _count(self, used: Tensor) -> dict[str, int]:
         """Counts over all ranks (one all-reduce; every rank gets the same numbers)."""
-        labelled = sum(int((labels >= 0).sum()) for labels in self._labels)
+        labelled = int((self._labels.rows(torch.zeros(0)) >= 0).sum())
         seen = sum(o["index"].numel() for o in self._outputs)
         local = RunCounts(len(self._skipped.records), labelled, self._partial, seen)
         counts = asdict(local.reduce(self.reduce_sum))
@@ -341,13 +338,14 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
 
     def finalize(self) -> None:
         r"""All-reduce, fit the head, :math:`\tau_g`, :math:`\beta`, and fill the outputs."""
-        sums = self.moments.compute()  # synced over the process group
-        counts = self._count(sums.count)
+        computed = self.moments.compute()  # synced over the process group
+        counts = self._count(computed.count)
         samples.check_counts(counts, self._dataset_length, self._skipped)
         used = counts["used"]
-        features = torch.cat(self._features)
+        features = self._features.rows()
         hp = self.hparams
         progress = FinalizeProgress(self.trainer, self.reduce_sum, used, self.prototypes_.shape[0])
+        sums = checked_sums(computed, self._stored, progress.say)  # None: fit_frolic's own
         fit = fit_frolic(
             features,
             self.prototypes_,
@@ -362,7 +360,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         )
         self.head, finalize = fit.head, progress.finish(fit.head.tau_g, fit.priors)
         probability = fill_outputs(
-            self._outputs, fit.logits, fit.head, features, self.reduce_sum, sums.count.cpu()
+            self._outputs, fit.logits, fit.head, features, self.reduce_sum, computed.count.cpu()
         )
         metrics: dict[str, float] = {}
         class_accuracy: dict[str, Tensor] = {}
@@ -372,12 +370,12 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
                     f"{used - counts['labelled']} of the {used} usable samples carry no label: "
                     f"accuracy is computed on the {counts['labelled']} that do"
                 )
-            labels, rows = torch.cat(self._labels), None if hp.ablations else ["f_d"]
+            labels, rows = self._labels.rows(), None if hp.ablations else ["f_d"]
             args = (self.options, self.reduce_sum, hp.chunk_size, rows)
             metrics, class_accuracy = evaluate_fit(fit, features, labels, counts["labelled"], *args)
             if self.trainer.logger is not None:
                 self.trainer.logger.log_metrics(metrics, step=0)
-        self._features, self._labels = [], []
+        self._features, self._labels = RowBuffer(), RowBuffer()
         self._outcome = PredictOutcome(
             head=fit.head,
             priors=fit.priors,
@@ -389,6 +387,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             class_accuracy=class_accuracy,
             class_probability=probability,
             finalize=finalize,
+            moments=computed if self._stored is None else None,
+            moments_from_store=sums is not None and sums is not computed,
         )
 
     # ------------------------------------------------------------------ re-use

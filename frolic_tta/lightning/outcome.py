@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from frolic_tta.gda import MomentSums
 from frolic_tta.head import FrolicHead
 from frolic_tta.logits import ReduceFn
 from frolic_tta.metrics import evaluate_rows
@@ -37,6 +38,7 @@ __all__ = [
     "evaluate_fit",
     "fill_output",
     "fill_outputs",
+    "placeholders",
     "predict_loader",
     "stored_priors",
 ]
@@ -61,6 +63,11 @@ class PredictOutcome:
         class_probability: ``(K,)`` mean predicted probability ``before`` and ``after``
             debiasing (Fig. 1c/d); empty for a stored head.
         finalize: seconds and ``reduce_fn`` passes per finalize phase.
+        moments: the reduced moment sums of the run's features under its prototypes
+            (what a feature store written from the run keeps); ``None`` when they came from
+            a feature store (``moments_from_store``) or a stored head scored.
+        moments_from_store: the moment sums were a feature store's
+            (:mod:`frolic_tta.data.store_moments`): their pass was skipped.
     """
 
     head: FrolicHead
@@ -73,6 +80,8 @@ class PredictOutcome:
     class_accuracy: dict[str, Tensor] = field(default_factory=dict)
     class_probability: dict[str, Tensor] = field(default_factory=dict)
     finalize: dict[str, dict[str, float]] = field(default_factory=dict)
+    moments: MomentSums | None = None
+    moments_from_store: bool = False
 
     @classmethod
     def stored(cls, head: FrolicHead, partial: bool, skipped: list[dict[str, Any]]) -> Any:
@@ -148,6 +157,23 @@ class RunCounts:
     def reduce(self, reduce_fn: ReduceFn) -> RunCounts:
         """The counts over all ranks: one ``reduce_fn`` call."""
         return RunCounts.unpack(reduce_fn(self.pack()))
+
+
+def placeholders(
+    index: Tensor, valid: Tensor, labels: Tensor | None, num_classes: int, logits: bool
+) -> dict[str, Tensor]:
+    """One batch's predict output before finalize: ``index``, ``valid``, ``target`` (with
+    labels), NaN ``logits`` ``(n, K)`` (if ``logits``), ``prediction`` -1, NaN ``confidence``
+    (CPU; filled in place by :func:`fill_output`)."""
+    n = index.shape[0]
+    output: dict[str, Tensor] = {"index": index.detach().cpu(), "valid": valid}
+    if labels is not None:
+        output["target"] = labels.detach().cpu()
+    if logits:
+        output["logits"] = torch.full((n, num_classes), float("nan"), dtype=torch.float32)
+    output["prediction"] = torch.full((n,), -1, dtype=torch.long)
+    output["confidence"] = torch.full((n,), float("nan"), dtype=torch.float32)
+    return output
 
 
 def fill_output(

@@ -268,6 +268,7 @@ class FrolicReport(FrolicPredictionWriter):
             **scores,
             "options": asdict(module.options),
             "adapted": outcome.adapted,
+            "moments_from_store": outcome.moments_from_store,
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
             **{key: value for key, value in summary.items() if key != "per_class"},

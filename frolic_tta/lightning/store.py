@@ -30,12 +30,18 @@ from typing_extensions import override
 from frolic_tta.data.datamodules import FrolicDataModule, ImageFolderDataModule, StoreRequest
 from frolic_tta.data.store import (
     DTYPES,
+    FeatureDataset,
     FeatureStoreError,
+    load_store,
     publish,
     staging_dir,
     write_manifest,
     write_shard,
 )
+from frolic_tta.data.store_moments import same_samples, write_moments
+from frolic_tta.gda import MomentSums
+from frolic_tta.lightning.samples import sample_validity
+from frolic_tta.pipeline import shard_moment_sums
 
 
 @runtime_checkable
@@ -50,6 +56,48 @@ def writes_store(datamodule: Any) -> bool:
     then reads the store or requests one)."""
     datamodules = (FrolicDataModule, ImageFolderDataModule)
     return isinstance(datamodule, datamodules) and datamodule.feature_store is not None
+
+
+def add_store_moments(
+    directory: str | Path, prototypes: Tensor, tau_c: float, sums: MomentSums | None = None
+) -> None:
+    r"""Keep the moment sums of a written store's usable features under ``prototypes``
+    ``(K, d)`` and ``tau_c`` in it (:mod:`frolic_tta.data.store_moments`): a refit with these
+    prototypes then skips their float64 pass. ``sums``: already reduced sums of exactly the
+    features a refit reads (a float32 store written by this run); ``None``: computed from the
+    store as a refit reads it (float16: re-normalised), skipping unusable samples as
+    ``FrolicModule`` does."""
+    if sums is None:
+        stored = load_store(directory, verify=False)
+        valid, _ = sample_validity(stored.features, stored.errors)
+        features = stored.features[valid].to(prototypes.device)
+        sums = shard_moment_sums(features, prototypes, tau_c)
+    values = {name: getattr(sums, name) for name in MomentSums.__dataclass_fields__}
+    write_moments(directory, values, prototypes, tau_c)
+
+
+def stored_sums(dataset: Any, prototypes: Tensor, tau_c: float) -> dict[str, Tensor] | None:
+    """A feature store's sums for ``prototypes`` (bitwise) and ``tau_c``, when ``dataset`` is
+    a :class:`~frolic_tta.data.store.FeatureDataset` that has them, else ``None``."""
+    moments = dataset.moments if isinstance(dataset, FeatureDataset) else None
+    return None if moments is None else moments.for_run(prototypes, tau_c)
+
+
+def checked_sums(
+    computed: MomentSums, stored: dict[str, Tensor] | None, say: Any = None
+) -> MomentSums | None:
+    r"""The sums finalize fits with: ``computed`` (the run's reduced sums) when nothing is
+    ``stored``; else ``stored`` as :class:`~frolic_tta.gda.MomentSums` on ``computed``'s
+    device where the run's N and :math:`\sum_i x_i` are theirs, or ``None`` (the fit computes
+    every sum: a run over part of the store, other samples), saying so."""
+    if stored is None:
+        return computed
+    if same_samples(computed.count, computed.feature_sum, stored):
+        device = computed.count.device
+        return MomentSums(**{name: value.to(device) for name, value in stored.items()})
+    if say is not None:
+        say("moments: the feature store's are not of this run's samples; computing them")
+    return None
 
 
 class FeatureStoreWriter(Callback):
@@ -161,9 +209,22 @@ class FeatureStoreWriter(Callback):
             }
             try:
                 write_manifest(staging, self.key, trainer.world_size, written_by)
+                self._add_moments(staging, pl_module)
                 publish(staging, self.directory)
             except FeatureStoreError as error:  # e.g. limit_predict_batches: part of the data
                 rank_zero_warn(f"No feature store written: {error}")
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone when published
         trainer.strategy.barrier()
+
+    def _add_moments(self, staging: Path, pl_module: L.LightningModule) -> None:
+        """A FrolicModule's run: its moment sums (float32: the run's own; float16: from the
+        rounded store) go with the store."""
+        from frolic_tta.lightning.module import FrolicModule  # the module registers us
+
+        if not isinstance(pl_module, FrolicModule) or pl_module.prototypes_ is None:
+            return
+        sums = pl_module.outcome.moments if self.dtype == "float32" else None
+        if sums is None and self.dtype == "float32":
+            return
+        add_store_moments(staging, pl_module.prototypes_, pl_module.tau_c, sums)
