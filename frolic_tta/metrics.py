@@ -20,11 +20,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
-from torchmetrics.classification import (
-    MulticlassAccuracy,
-    MulticlassCalibrationError,
-    MulticlassRecall,
-)
+from torchmetrics.classification import MulticlassAccuracy, MulticlassRecall
 
 from frolic_tta.gda import MomentSums, moment_sums, scaled_zero_shot
 from frolic_tta.head import FrolicHead
@@ -34,9 +30,11 @@ from frolic_tta.logits import (
     RowBuffer,
     TensorLogits,
     compute_dtype,
+    workspace,
 )
 from frolic_tta.options import check_positive
 from frolic_tta.rows import ROWS, available_rows
+from frolic_tta.scores import CalibrationError, NegativeLogLikelihood, RowTerms, TopKAccuracy
 from frolic_tta.validation import check_matrix, check_prototypes
 
 
@@ -184,49 +182,6 @@ each class, ``(K,)``) is ``"class_acc/<row>"``. Probabilities are the row's
 CLASS_ACCURACY = "class_acc"
 
 
-class NegativeLogLikelihood(Metric):
-    r"""Mean negative log-likelihood :math:`-\frac1N\sum_i \ln\mathrm{softmax}(l_i)_{y_i}`.
-
-    Float64 sums (``dist_reduce_fx="sum"``) of :math:`-\ln p_{i y_i}` and of N; ``update``
-    takes logits ``(n, K)`` (log-softmax taken here, in float64) and targets ``(n,)``.
-
-    Example::
-
-        >>> import torch
-        >>> metric = NegativeLogLikelihood()
-        >>> metric.update(torch.zeros(4, 2), torch.tensor([0, 1, 1, 0]))
-        >>> round(float(metric.compute()), 6)  # ln 2
-        0.693147
-    """
-
-    is_differentiable = False
-    higher_is_better = False
-    full_state_update = False
-
-    total: Tensor
-    count: Tensor
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add ``logits`` ``(n, K)`` with true classes ``target`` ``(n,)``."""
-        if logits.ndim != 2 or target.shape != logits.shape[:1]:
-            raise ValueError(
-                f"Expected `logits` (n, K) and `target` (n,), but got {tuple(logits.shape)} "
-                f"and {tuple(target.shape)}"
-            )
-        log_p = torch.log_softmax(logits.double(), dim=1)
-        self.total -= log_p.gather(1, target.long()[:, None]).sum()
-        self.count += target.numel()
-
-    def compute(self) -> Tensor:
-        """The mean over all samples (synced), float64."""
-        return self.total / self.count
-
-
 def metric_key(row: str, metric: str = "accuracy") -> str:
     """The key of ``metrics.json[metric][row]`` as one name, ``<metric>/<row>``:
     ``metric_key("f_c - ln beta")`` -> ``"accuracy/f_c - ln beta"``, ``metric_key("f_d", "ece")``
@@ -244,33 +199,8 @@ def _row_metric(kind: str, num_classes: int) -> Metric:
     if kind == CLASS_ACCURACY:
         return MulticlassRecall(num_classes, average="none")
     if kind == "ece":
-        return MulticlassCalibrationError(num_classes, n_bins=15, norm="l1")
+        return CalibrationError(num_classes, n_bins=15, norm="l1")
     return NegativeLogLikelihood()
-
-
-class TopKAccuracy(MulticlassAccuracy):
-    """Top-k accuracy: torchmetrics' top-1 accuracy of predictions that are the target where
-    it is among the ``k`` largest logits and the largest logit otherwise (the counts of
-    ``MulticlassAccuracy(top_k=k, average="micro")``, without its ``(n, K)`` one-hot per
-    update: 0.92 s -> 0.07 s per 50,000 x 1,000 logits, measured on 2 CPU cores).
-
-    Args:
-        num_classes: K.
-        k: how many of the largest logits count (``k`` <= K).
-    """
-
-    def __init__(self, num_classes: int, k: int, **kwargs: Any) -> None:
-        super().__init__(num_classes, top_k=1, average="micro", **kwargs)
-        self.k = k
-
-    def update(self, preds: Tensor, target: Tensor) -> None:
-        """Add logits ``preds`` ``(n, K)`` with true classes ``target`` ``(n,)``."""
-        if self.k == 1:  # the argmax, as torchmetrics takes it (ties: the first class)
-            super().update(preds.argmax(dim=1), target)
-            return
-        top = preds.topk(self.k, dim=1).indices
-        hit = (top == target[:, None]).any(dim=1)
-        super().update(torch.where(hit, target, top[:, 0]), target)
 
 
 def row_metrics(
@@ -325,13 +255,19 @@ def update_row_metrics(
         chunks = source.chunks() if given is None or row not in given else None
         if chunks is None:
             chunks = TensorLogits(given[row], source.chunk_size).chunks()
+        softmax = "ece" in present or "nll" in present  # one exponential pass for both
+        space: Tensor | None = None
         for start, logits in chunks:
             target = labels[start : start + logits.shape[0]].to(logits.device)
-            top = logits.argmax(dim=1)
+            terms = None
+            if softmax:
+                space = workspace(space, logits)
+                terms = RowTerms.of(logits, space[0])
+            top = logits.argmax(dim=1) if terms is None else terms.top
             for kind, metric in present.items():
-                if kind == "ece":  # torchmetrics softmaxes only preds outside [0, 1]
-                    metric.update(torch.softmax(logits, dim=1), target)
-                elif kind in ("top5", "nll"):
+                if kind in ("ece", "nll"):
+                    metric.update(logits, target, terms)
+                elif kind == "top5":
                     metric.update(logits, target)
                 else:  # top-1 accuracy, recall, per-class accuracy: the argmax
                     metric.update(top, target)

@@ -3,10 +3,10 @@ r"""FrolicModule: Frolic on a frozen open_clip model inside ``trainer.predict``.
 **Two-phase predict.** ``trainer.predict(model, loader)`` runs one predict epoch:
 
 1. *Encode* (``predict_step``, once per batch): the image encoder runs once per image; the
-   L2-normalised features of usable samples are cached on this rank (``N_rank x d``) and added
-   to the float64 :class:`~frolic_tta.metrics.FrolicMoments` sums. The step returns CPU
-   *placeholders* (``logits`` NaN, ``prediction`` -1, plus ``index``, ``valid`` and ``target``).
-   No collective is called per batch.
+   L2-normalised features of usable samples are cached on this rank (``N_rank x d``, one
+   buffer) and added to the float64 :class:`~frolic_tta.metrics.FrolicMoments` sums (N and Σx
+   only where a feature store brings the rest: :mod:`frolic_tta.data.store_moments`). The step
+   returns CPU placeholders (``logits`` NaN, ``prediction`` -1, ``index``, ``valid``, ``target``).
 2. *Finalize* (``on_predict_batch_end`` of this rank's last batch, known in advance from the
    public ``trainer.num_predict_batches``): the moment sums are all-reduced (torchmetrics
    sync), the head, the test prior, :math:`\tau_g` and :math:`\beta` are fitted with
