@@ -206,3 +206,17 @@ def test_the_fusion_earns_its_weight_at_ten_samples_per_class():
     assert new["f_d"] >= max(new["f_c"], new["f_c - ln beta"], new["f_f"])
     assert old["f_d"] < old["f_c - ln beta"] - 0.005  # the failure, rebuilt
     assert new["f_d"] > old["f_d"] + 0.01
+
+
+def test_fewer_samples_than_classes_converge_where_plain_em_steps_did_not():
+    # K = 1,000 classes, N = 500, d = 64: half the classes are absent, so their weights head
+    # to 0; SQUAREM's jumps left the simplex and were dropped for plain EM steps, and the
+    # balanced refit's weights stopped at their cap of 500 passes (converged: false, 1,126
+    # passes in all); a jump in ln pi follows them
+    world = clip_like_world(500, 1000, 64, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "did not reach prior_tol"
+        warnings.filterwarnings("ignore", message="the data do not determine")
+        fit = frolic_tta.fit_frolic(world.features, world.prototypes)
+    assert fit.priors.converged and fit.priors.passes < 600
+    assert bool(torch.isfinite(fit.logits).all())
