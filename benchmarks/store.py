@@ -18,7 +18,7 @@ dtype (float32, float16) in a fresh process:
   features and their moment sums (``FeatureDataset(..., moments=stored.moments)``), batch
   256, ``ablations=False``, on the CPU: the predict loop without the encoder (batches, N and
   sum x, the kept zero-shot logits) and finalize (head, tau_g, beta, filling the outputs, f_d's
-  metrics), measured inside the run, the median of 3 runs; once with ``ablations=True`` (every
+  metrics), measured inside the run, the median of 5 runs; once with ``ablations=True`` (every
   Table 3/4 row, labels given); and once without the stored sums (the loop computes them).
 
 The encode cost beside it is ``benchmarks/results/overhead.json``'s: ViT-B-16 per image on this
@@ -167,7 +167,7 @@ def main() -> None:
     size = {"n": 2_000, "k": 100, "d": 64} if args.quick else {"n": 50_000, "k": 1_000, "d": 512}
     cases = []
     for dtype in ("float32", "float16"):
-        case = {**size, "dtype": dtype, "repeats": 1 if args.quick else 3}
+        case = {**size, "dtype": dtype, "repeats": 1 if args.quick else 5}
         result = common.run_json_worker(["benchmarks/store.py", "--worker", json.dumps(case)])
         cases.append({"case": case, "result": result})
         print(f"{dtype}: {json.dumps(result)[:200]}...", flush=True)
