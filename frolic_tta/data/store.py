@@ -42,6 +42,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from frolic_tta.data.store_files import (
+    MANIFEST,
+    FeatureStoreError,
+    check_listed,
+    load_listed,
+    short,
+)
 from frolic_tta.data.store_key import (
     FORMAT,
     feature_key,
@@ -51,7 +58,6 @@ from frolic_tta.data.store_key import (
     weights_fingerprint,
 )
 from frolic_tta.data.store_moments import StoredMoments, read_moments
-from frolic_tta.errors import FrolicInputError
 
 __all__ = [
     "DTYPES",
@@ -74,13 +80,8 @@ __all__ = [
     "write_shard",
 ]
 
-MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 """Storage dtypes: ``float16`` halves the size; read back as float32 and re-normalised."""
-
-
-class FeatureStoreError(FrolicInputError):
-    """A feature store that cannot be used for this run (the message says why, in one sentence)."""
 
 
 def shard_name(rank: int) -> str:
@@ -93,16 +94,11 @@ def has_manifest(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / MANIFEST).is_file()
 
 
-def _short(value: Any) -> str:
-    text = " ".join(str(value).split())
-    return text if len(text) <= 48 else text[:45] + "..."
-
-
 def check_key(stored: dict[str, Any], expected: dict[str, Any], directory: Path) -> None:
     """Raise :class:`FeatureStoreError` naming every field where ``stored`` differs."""
     order = list(expected) + sorted(f for f in stored if f not in expected)
     diffs = [
-        f"{f}: this run {_short(expected.get(f))!s}, the store {_short(stored.get(f))!s}"
+        f"{f}: this run {short(expected.get(f))!s}, the store {short(stored.get(f))!s}"
         for f in order
         if stored.get(f) != expected.get(f)
     ]
@@ -230,17 +226,13 @@ def _load_shard(path: Path, folder: Path) -> dict[str, Tensor]:
             f"Expected shard '{path.name}' in the feature store '{folder}', but it is missing: "
             "delete the store, or pass --data.feature_store_mode write to encode again"
         )
-    try:
-        part = torch.load(path, map_location="cpu", weights_only=True)
-        n, _ = part["features"].shape
-        if part["index"].shape != (n,) or ("label" in part and part["label"].shape != (n,)):
-            raise ValueError("index, features and label lengths differ")
-    except Exception as error:  # noqa: BLE001 - any unreadable shard is one user error
-        raise FeatureStoreError(
-            f"Expected a readable shard '{path.name}' in the feature store '{folder}', but "
-            f"loading it failed ({_short(error)}): delete the store and encode again"
-        ) from None
-    return part
+    return load_listed(path, folder, f"shard '{path.name}'", _check_shard)
+
+
+def _check_shard(part: dict[str, Tensor]) -> None:
+    n, _ = part["features"].shape
+    if part["index"].shape != (n,) or ("label" in part and part["label"].shape != (n,)):
+        raise ValueError("index, features and label lengths differ")
 
 
 @dataclass(frozen=True)
@@ -296,7 +288,7 @@ def load_store(
     except (ValueError, KeyError, TypeError) as error:
         raise FeatureStoreError(
             f"Expected a readable {MANIFEST} in the feature store '{folder}', but got "
-            f"{_short(error)}: delete the store and encode again"
+            f"{short(error)}: delete the store and encode again"
         ) from None
     outside = [name for name, _, _ in shards if name in ("", ".", "..") or Path(name).name != name]
     if outside:
@@ -315,13 +307,8 @@ def load_store(
     errors: list[str] | None = None
     for name, size, sha in shards:
         path = folder / name
-        checked = verify and path.is_file()
-        if checked and (path.stat().st_size != size or file_sha256(path) != sha):
-            raise FeatureStoreError(
-                f"Expected shard '{path.name}' in the feature store '{folder}' to be the one "
-                f"its {MANIFEST} lists, but its size or SHA-256 differs: delete the store "
-                "and encode again"
-            )
+        if verify and path.is_file():
+            check_listed(path, folder, size, sha, f"shard '{path.name}'")
         part = _load_shard(path, folder)
         index = part["index"]
         if features is None:

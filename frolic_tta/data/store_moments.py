@@ -22,12 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from frolic_tta.data.store_files import (
+    ADVICE,
+    MANIFEST,
+    FeatureStoreError,
+    check_listed,
+    load_listed,
+)
 from frolic_tta.data.store_key import file_sha256
 
 __all__ = ["MOMENTS", "StoredMoments", "read_moments", "same_samples", "write_moments"]
 
 MOMENTS = "moments.pt"
-_MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,11 @@ def write_moments(
         "num_classes": int(prototypes.shape[0]),
         "tau_c": float(tau_c),
     }
-    manifest = json.loads((folder / _MANIFEST).read_text())
+    manifest = json.loads((folder / MANIFEST).read_text())
     manifest["moments"] = entry
-    temporary = folder / (_MANIFEST + ".tmp")
+    temporary = folder / (MANIFEST + ".tmp")
     temporary.write_text(json.dumps(manifest, indent=1) + "\n")
-    temporary.replace(folder / _MANIFEST)
+    temporary.replace(folder / MANIFEST)
     return entry
 
 
@@ -88,35 +94,20 @@ def read_moments(
         FeatureStoreError: the file is missing, changed (size or SHA-256, with ``verify``) or
             unreadable.
     """
-    from frolic_tta.data.store import FeatureStoreError
-
     entry = manifest.get("moments")
     if entry is None:
         return None
     folder = Path(directory)
-    path = folder / MOMENTS
-    advice = "delete the store and encode again"
+    path, what = folder / MOMENTS, f"'{MOMENTS}'"
     if not path.is_file():
         raise FeatureStoreError(
-            f"Expected '{MOMENTS}' in the feature store '{folder}' (its {_MANIFEST} lists it), "
-            f"but it is missing: {advice}"
+            f"Expected {what} in the feature store '{folder}' (its {MANIFEST} lists it), "
+            f"but it is missing: {ADVICE}"
         )
-    if verify and (path.stat().st_size != entry.get("bytes") or file_sha256(path) != entry.get(
-        "sha256"
-    )):
-        raise FeatureStoreError(
-            f"Expected '{MOMENTS}' in the feature store '{folder}' to be the one its {_MANIFEST} "
-            f"lists, but its size or SHA-256 differs: {advice}"
-        )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        moments = StoredMoments(dict(state["sums"]), state["prototypes"], float(state["tau_c"]))
-    except Exception as error:  # noqa: BLE001 - any unreadable file is one user error
-        raise FeatureStoreError(
-            f"Expected a readable '{MOMENTS}' in the feature store '{folder}', but loading it "
-            f"failed ({' '.join(str(error).split())[:60]}): {advice}"
-        ) from None
-    return moments
+    if verify:
+        check_listed(path, folder, entry.get("bytes"), entry.get("sha256"), what)
+    state = load_listed(path, folder, what, lambda s: (s["sums"], s["prototypes"], s["tau_c"]))
+    return StoredMoments(dict(state["sums"]), state["prototypes"], float(state["tau_c"]))
 
 
 def same_samples(count: Tensor, feature_sum: Tensor, stored: dict[str, Tensor]) -> bool:

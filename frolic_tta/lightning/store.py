@@ -16,6 +16,7 @@ reads a store instead. For a DataLoader of your own, add ``FeatureStoreWriter(di
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,7 +85,9 @@ def stored_sums(dataset: Any, prototypes: Tensor, tau_c: float) -> dict[str, Ten
 
 
 def checked_sums(
-    computed: MomentSums, stored: dict[str, Tensor] | None, say: Any = None
+    computed: MomentSums,
+    stored: dict[str, Tensor] | None,
+    say: Callable[[str], None] | None = None,
 ) -> MomentSums | None:
     r"""The sums finalize fits with: ``computed`` (the run's reduced sums) when nothing is
     ``stored``; else ``stored`` as :class:`~frolic_tta.gda.MomentSums` on ``computed``'s
