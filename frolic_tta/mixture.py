@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce, workspace
+from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, newton_weights
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,21 @@ class _MixtureSums:
     log_likelihood: Tensor  # () sum_i lse(g_i + ln pi)
     uniform_log_likelihood: Tensor  # () sum_i lse(g_i) - N ln K
     responsibility: Tensor  # (K,) sum_i q_i
+    gradient: Tensor  # (K,) d l / d pi_j = sum_i e^{g_ij} / sum_k pi_k e^{g_ik}
 
     def pack(self) -> Tensor:
         head = torch.stack([self.count, self.log_likelihood, self.uniform_log_likelihood])
-        return torch.cat([head, self.responsibility])
+        return torch.cat([head, self.responsibility, self.gradient])
 
     @classmethod
     def unpack(cls, packed: Tensor) -> _MixtureSums:
-        return cls(packed[0], packed[1], packed[2], packed[3:])
+        k = (packed.shape[0] - 3) // 2
+        return cls(packed[0], packed[1], packed[2], packed[3 : 3 + k], packed[3 + k :])
+
+    def optimality_gap(self) -> float:
+        r""":math:`\max_j \partial_j\ell / N - 1`, 0 at the maximiser: times N, it bounds what
+        is left, :math:`\ell(\hat\pi) - \ell(\pi)` (the Frank-Wolfe gap)."""
+        return float(self.gradient.max() / self.count) - 1.0
 
 
 def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
@@ -53,6 +61,7 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
     k = source.num_classes
     total = torch.zeros(3, dtype=torch.float64)
     responsibility = torch.zeros(k, dtype=torch.float64)
+    gradient = torch.zeros(k, dtype=torch.float64)
     top_prior = float(log_prior.max())
     weights = torch.exp(log_prior - top_prior)
     work: Tensor | None = None  # two chunk-sized temporaries for every chunk
@@ -69,9 +78,14 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
         total[2] += float((top + exp.sum(1).log().double()).sum()) - logits.shape[0] * math.log(k)
         column = exp.div_(norm.unsqueeze(1)).sum(0)  # pairwise: rounding far below tol
         responsibility += (column * scaled).double().cpu()
-    return _MixtureSums(total[0], total[1], total[2], responsibility)
+        gradient += column.double().cpu()
+    gradient /= math.exp(top_prior)  # d l / d pi_j = sum_i e_ij / (pi_max (e w)_i)
+    return _MixtureSums(total[0], total[1], total[2], responsibility, gradient)
 
 
+NEWTON_AFTER = 100
+"""EM passes after which a solve that has not converged goes on by Newton steps
+(:mod:`frolic_tta.mixture_newton`); EM's stops in the benchmark worlds take 1 to 19."""
 LOG_STEP = 5.0
 r"""Largest change of one ln-weight in a jump in :math:`\ln\pi` (a factor of about 150)."""
 
@@ -157,7 +171,7 @@ def mixture_weights(
     def certain(at: _MixtureSums, prior: Tensor) -> bool:
         if below is None:
             return False
-        gap = float((at.responsibility / prior.clamp(min=tiny)).max() - at.count)
+        gap = float(at.gradient.max() - at.count)
         return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap) <= below
 
     passes, converged = 0, False
@@ -168,7 +182,9 @@ def mixture_weights(
             converged = True
             break
         if float((first - pi).abs().sum()) < tol:
-            pi, converged = first, True
+            pi, converged = first, at_pi.optimality_gap() <= KKT_TOL
+            break
+        if passes >= NEWTON_AFTER and k <= MAX_COLUMNS:
             break
         second, at_first = step(first)
         passes += 1
@@ -182,5 +198,11 @@ def mixture_weights(
             after, at_candidate = step(candidate)
             passes += 1
         pi, first, at_pi = candidate, after, at_candidate
-    ratio = max(0.0, 2.0 * float(at_pi.log_likelihood - at_pi.uniform_log_likelihood))
+    likelihood, uniform = at_pi.log_likelihood, at_pi.uniform_log_likelihood
+    if not converged and passes < max_passes:  # EM crawls: Newton steps on the same problem
+        pi, (likelihood, uniform), more, converged = newton_weights(
+            source, pi, reduce_fn, max_passes=max_passes - passes, below=below
+        )
+        passes += more
+    ratio = max(0.0, 2.0 * float(likelihood - uniform))
     return pi, ratio, passes, converged

@@ -112,7 +112,9 @@ class SolverOptions:
             balanced one shows an imbalanced test set (``test_prior="em"``,
             :mod:`frolic_tta.prior`); each refit's weights are solved to ``prior_tol``.
         prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
-            a solve that stops at its cap warns and is reported as ``converged: false``.
+            a solve is converged when its optimality gap is also at most 1e-5 nats per sample
+            (:data:`~frolic_tta.mixture_newton.KKT_TOL`, else Newton steps go on); one that
+            stops at its cap warns and is reported as ``converged: false``.
         shift_evidence: how much evidence an imbalanced test prior needs: the constant
             :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
             (:class:`~frolic_tta.prior.TestPriorEstimate`); ``0`` uses the EM estimate as it is.

@@ -208,15 +208,69 @@ def test_the_fusion_earns_its_weight_at_ten_samples_per_class():
     assert new["f_d"] > old["f_d"] + 0.01
 
 
-def test_fewer_samples_than_classes_converge_where_plain_em_steps_did_not():
+@pytest.mark.parametrize("seed", [0, 2])
+def test_fewer_samples_than_classes_converge_where_plain_em_steps_did_not(seed):
     # K = 1,000 classes, N = 500, d = 64: half the classes are absent, so their weights head
-    # to 0; SQUAREM's jumps left the simplex and were dropped for plain EM steps, and the
-    # balanced refit's weights stopped at their cap of 500 passes (converged: false, 1,126
-    # passes in all); a jump in ln pi follows them
-    world = clip_like_world(500, 1000, 64, seed=0)
+    # to 0. Seed 0: SQUAREM's jumps left the simplex and were dropped for plain EM steps, and
+    # the balanced refit's weights stopped at their cap of 500 passes (converged: false, 1,126
+    # passes in all). Seed 2: even with the jump in ln pi every solve stopped at its cap
+    # (2,101 passes); Newton steps (mixture_newton) take over after 100 EM passes
+    world = clip_like_world(500, 1000, 64, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "did not reach prior_tol"
         warnings.filterwarnings("ignore", message="the data do not determine")
         fit = frolic_tta.fit_frolic(world.features, world.prototypes)
     assert fit.priors.converged and fit.priors.passes < 600
     assert bool(torch.isfinite(fit.logits).all())
+
+
+def fewer_samples_than_classes(seed: int) -> torch.Tensor:
+    """Exact float64 log-likelihoods of N = 300 samples of 300 of K = 600 overlapping
+    Gaussian components in 16 dims: the likelihood is flat in many weights, half are 0."""
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(600, 16, generator=g, dtype=torch.float64)
+    present = torch.randperm(600, generator=g)[:300]
+    labels = present[torch.randint(0, 300, (300,), generator=g)]
+    x = means[labels] + 0.7 * torch.randn(300, 16, generator=g, dtype=torch.float64)
+    return -0.5 * torch.cdist(x, means) ** 2 / 0.49
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixture_weights_reach_the_optimum_where_samples_are_fewer_than_classes(seed):
+    """Converged means optimal: the Kiefer-Wolfowitz condition max_j dl/dpi_j / N <= 1 + 1e-5,
+    checked in float64 outside the solver (it bounds l(pi_hat) - l(pi) by 1e-5 nats per
+    sample). EM's own stop said "converged" at 3e-4 or stopped at its cap (seeds 0 and 3,
+    501 passes), and 3 shards then moved pi by 6e-5; now 3 uneven shards agree to 1e-12."""
+    loglik = fewer_samples_than_classes(seed)
+    pi, ratio, passes, converged = mixture_weights(TensorLogits(loglik.float()), tol=1e-7)
+    assert converged and passes < 200
+    mixture = torch.logsumexp(loglik + pi.clamp(min=1e-300).log(), 1, keepdim=True)
+    gradient = torch.exp(loglik - mixture).sum(0)
+    assert float(gradient.max()) / 300 - 1 <= 1e-5
+    assert float(pi.sum()) == pytest.approx(1.0, abs=1e-12) and bool((pi >= 0).all())
+    shards = [loglik.float()[lo:hi] for lo, hi in uneven_bounds(300, 3)]
+    fits = run_sharded(
+        lambda s, r: mixture_weights(TensorLogits(s, 50), tol=1e-7, reduce_fn=r), shards
+    )
+    for sharded_pi, sharded_ratio, _, sharded_converged in fits:
+        assert sharded_converged and float((sharded_pi - pi).abs().max()) < 1e-9
+        assert sharded_ratio == pytest.approx(ratio, rel=1e-9)
+
+
+@pytest.mark.parametrize("rank", [5, 40])
+def test_the_newton_steps_quadratic_program_meets_its_optimality_conditions(rank):
+    """min 1/2 y^T H y - b^T y over y >= 0, H = A^T A positive semi-definite of rank 5 or full
+    (40), b = A^T c in its range (bounded, like the Newton steps' model): y >= 0, the gradient
+    Hy - b is 0 on the support and >= 0 off it (to its tolerance)."""
+    from frolic_tta.mixture_newton import _nonnegative_qp
+
+    g = torch.Generator().manual_seed(rank)
+    a = torch.randn(rank, 40, generator=g, dtype=torch.float64)
+    hessian = a.t() @ a
+    linear = a.t() @ torch.randn(rank, generator=g, dtype=torch.float64)
+    start = torch.rand(40, generator=g, dtype=torch.float64) * (torch.rand(40, generator=g) < 0.5)
+    y = _nonnegative_qp(hessian, linear, start, 1e-9)
+    gradient = hessian @ y - linear
+    assert bool((y >= 0).all()) and bool((y > 0).any())
+    assert float(gradient[y > 0].abs().max()) < 1e-6
+    assert float(gradient.clamp(max=0.0)[y == 0].sum()) > -1e-8

@@ -1,0 +1,209 @@
+r"""Newton steps for the mixture weights where EM crawls (behind :mod:`frolic_tta.mixture`).
+
+EM on the weights :math:`\pi` of fixed components is slow exactly where the likelihood is flat
+or its maximiser sits on the simplex's boundary: fewer samples than classes, classes the test
+set lacks. There a weight pushed towards 0 returns at EM's geometric pace, and an EM step
+that moves :math:`\pi` by less than ``tol`` proves nothing (a weight of :math:`10^{-10}` whose
+gradient asks for it to grow 1,000-fold moves it by :math:`10^{-7}`). This module solves the
+same concave problem by mix-SQP (Kim, Carbonetto, Stephens & Anitescu 2020): with
+:math:`e_{ij} = e^{g_{ij} - \max_k g_{ik}}`, :math:`u = e x` and the relaxation
+
+.. math::
+    F(x) = -\frac1N \sum_i \ln (e x)_i + \sum_j x_j, \qquad x \ge 0,
+
+whose minimiser sums to 1 and is the maximum-likelihood :math:`\hat\pi`, each step solves the
+quadratic model :math:`\tfrac12 p^\top H p + \nabla F^\top p` with
+:math:`\nabla F = 1 - \frac1N e^\top (1/u)` and :math:`H = \frac1N e^\top \mathrm{diag}(u^{-2})\,e`
+over :math:`x + p \ge 0` (an active-set method on the classes in the support or whose
+gradient asks to enter), then backtracks on :math:`F`. Its stop is the optimality condition
+itself (Kiefer-Wolfowitz): at :math:`\pi = x/\sum x`, :math:`\max_j \partial_j \ell / N - 1
+\le` ``target``, which bounds what is left, :math:`\ell(\hat\pi) - \ell(\pi) \le N \cdot`
+``target`` (the Frank-Wolfe gap). Every pass is one ``reduce_fn`` call of
+``[N, sums, gradient, Hessian]``; every decision is taken on reduced values.
+
+Shapes: N samples, K classes, C classes in the Hessian.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from frolic_tta.logits import LogitSource, ReduceFn
+
+KKT_TOL = 1e-5
+r"""A weight solve is converged when :math:`\max_j \partial_j\ell(\pi)/N - 1 \le` ``KKT_TOL``:
+at most :math:`10^{-5}` nats per sample from the maximum (EM's stops measured 4e-9 to 8e-7)."""
+NEWTON_TOL = 1e-7
+"""The Newton phase's own target (it converges quadratically: a pass or two below KKT_TOL;
+float32 log-likelihoods leave it at about 2e-9)."""
+MAX_COLUMNS = 4096
+"""Largest Hessian the Newton phase forms (C x C float64, 128 MiB); above it EM goes on."""
+SUPPORT_FLOOR = 1e-4
+"""EM weights below this fraction of the largest start the Newton phase at 0 (the active set
+lets a weight enter from 0 in one step; from 1e-10 its curvature allows it to double)."""
+UNIFORM_MIX = 0.1
+r"""Where some weight's gradient asks it to more than double (:math:`\max_j \partial_j\ell/N
+> 2`), the start is mixed with this much of the uniform weights on the support and the classes
+asking in: a sample whose classes all
+have weight ~0 makes the quadratic model's curvature :math:`u_i^{-2}` explode (mix-SQP
+starts from uniform for the same reason)."""
+
+
+def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
+    """Packed ``[N, sum_i (m_i + ln u_i), sum_i lse(g_i), G (K,), H (C*C,)]`` of the shard,
+    ``G = e^T (1/u)`` and ``H = (e_C/u)^T (e_C/u)`` (float64)."""
+    k = source.num_classes
+    head = torch.zeros(3, dtype=torch.float64)
+    gradient = torch.zeros(k, dtype=torch.float64)
+    size = 0 if columns is None else int(columns.numel())
+    hessian = torch.zeros(size, size, dtype=torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    weights = x.to(torch.float64)
+    for _, logits in source.chunks():
+        g = logits.to(torch.float64)
+        top = g.amax(dim=1, keepdim=True)
+        e = g.sub_(top).exp_()
+        weights = weights.to(e.device)  # a no-op after the first chunk
+        u = (e @ weights).clamp_(min=tiny)
+        top = top.squeeze(1).cpu()
+        head[0] += g.shape[0]
+        head[1] += float((top + u.log().cpu()).sum())
+        head[2] += float((top + e.sum(1).log().cpu()).sum())
+        scaled = e.div_(u.unsqueeze(1))
+        gradient += scaled.sum(0).cpu()
+        if size:
+            block = scaled[:, columns.to(scaled.device)]
+            hessian += (block.t() @ block).cpu()
+    return torch.cat([head, gradient, hessian.flatten()])
+
+
+def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) -> Tensor:
+    r"""``argmin_{y >= 0} 1/2 y^T H y - b^T y`` by a primal active-set method from the
+    feasible ``start`` (Lawson-Hanson's, with ``H`` for ``A^T A``); ``H`` gets a ridge of
+    :math:`10^{-10}` of its mean diagonal (it is singular where C exceeds N)."""
+    c = linear.shape[0]
+    ridge = 1e-10 * float(hessian.diagonal().mean().clamp(min=1e-300))
+    y = start.clone()
+    passive = y > 0
+    if not bool(passive.any()):
+        passive[int(linear.argmax())] = True
+    for _ in range(3 * c + 100):
+        index = passive.nonzero().squeeze(1)
+        block = hessian[index][:, index] + ridge * torch.eye(len(index), dtype=hessian.dtype)
+        factor, info = torch.linalg.cholesky_ex(block)
+        if int(info) != 0:  # numerically singular despite the ridge: least squares
+            solved = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
+        else:
+            solved = torch.cholesky_solve(linear[index].unsqueeze(1), factor).squeeze(1)
+        z = torch.zeros_like(y)
+        z[index] = solved
+        if bool((solved > 0).all()):
+            y = z
+            free = linear - hessian @ y  # minus the gradient of the quadratic
+            free[passive] = -torch.inf
+            j = int(free.argmax())
+            if float(free[j]) <= tol:
+                return y
+            passive[j] = True
+            continue
+        leaving = (passive & (z <= 0)).nonzero().squeeze(1)
+        ratios = y[leaving] / (y[leaving] - z[leaving])
+        blocking = int(ratios.argmin())
+        y = y + float(ratios[blocking]) * (z - y)
+        passive &= y > 1e-15 * float(y.max())  # the blocking variable leaves, exactly:
+        passive[leaving[blocking]] = False  # its rounding must not keep it (it would cycle)
+        y[~passive] = 0.0
+        if not bool(passive.any()):
+            passive[int(linear.argmax())] = True
+    return y
+
+
+def newton_weights(
+    source: LogitSource,
+    pi: Tensor,
+    reduce_fn: ReduceFn,
+    *,
+    max_passes: int,
+    below: float | None = None,
+) -> tuple[Tensor, Tensor, int, bool]:
+    r"""mix-SQP on the mixture weights from ``pi`` ``(K,)`` (module docstring).
+
+    Args:
+        source: ``(N_local, K)`` component log-likelihoods of the local shard.
+        pi: ``(K,)`` starting weights (EM's); those below :data:`SUPPORT_FLOOR` of the
+            largest start at 0.
+        reduce_fn: sums a tensor over shards.
+        max_passes: cap on passes (each one reduction).
+        below: stop once :math:`\Lambda \le` ``below`` is certain (as in
+            :func:`~frolic_tta.mixture.mixture_weights`).
+
+    Returns:
+        ``(pi (K,), [l(pi), l(1/K)], passes, converged)``: ``converged`` when the
+        optimality gap is at most :data:`KKT_TOL` (or ``below`` is certain).
+    """
+    k = source.num_classes
+    x = pi.double().clone()
+    x[x < SUPPORT_FLOOR * float(x.max())] = 0.0
+    x /= x.sum()
+
+    def measure(weights: Tensor, columns: Tensor | None = None) -> tuple[Tensor, ...]:
+        packed = reduce_fn(_sums(source, weights, columns))
+        n, log_u = packed[0], packed[1]
+        uniform = packed[2] - n * math.log(k)  # l(1/K)
+        gradient = packed[3 : 3 + k]
+        size = 0 if columns is None else int(columns.numel())
+        hessian = packed[3 + k :].reshape(size, size) / n
+        total = weights.sum()
+        objective = -log_u / n + total  # F(x)
+        likelihood = log_u - n * torch.log(total)  # l(x / sum x)
+        kkt = float(total * gradient.max() / n - 1.0)
+        return n, objective, likelihood, uniform, gradient, hessian, kkt
+
+    n, objective, likelihood, uniform, gradient, _, kkt = measure(x)
+    passes, converged = 1, False
+    if kkt > 1.0:  # mixed with the uniform weights of the support and the classes asking in
+        support = ((x > 0) | (gradient / n > 1.0)).double()
+        x = (1.0 - UNIFORM_MIX) * x + UNIFORM_MIX * support / support.sum()
+        n, objective, likelihood, uniform, gradient, _, kkt = measure(x)
+        passes += 1
+    while passes < max_passes:
+        gap = float(n) * max(kkt, 0.0)
+        if below is not None and 2.0 * float(likelihood - uniform + gap) <= below:
+            converged = True
+            break
+        if kkt <= NEWTON_TOL:
+            break
+        columns = ((x > 0) | (gradient / n > 1.0)).nonzero().squeeze(1)
+        if columns.numel() > MAX_COLUMNS:
+            break
+        *_, hessian, _ = measure(x, columns)
+        passes += 1
+        if passes >= max_passes:
+            break
+        step_gradient = 1.0 - gradient[columns] / n
+        linear = hessian @ x[columns] - step_gradient
+        tol = NEWTON_TOL / 10 + 1e-13 * float(linear.abs().max())  # b - Hy's rounding
+        target = _nonnegative_qp(hessian, linear, x[columns], tol)
+        direction = torch.zeros_like(x)
+        direction[columns] = target - x[columns]
+        slope = float(step_gradient @ direction[columns])
+        if slope >= 0.0:  # no descent left at this precision
+            break
+        step, accepted = 1.0, False
+        while passes < max_passes and step >= 1e-12:  # backtracking (Armijo) on F
+            trial = (x + step * direction).clamp_(min=0.0)
+            measured = measure(trial)
+            passes += 1
+            if float(measured[1]) <= float(objective) + 1e-4 * step * slope:
+                accepted = True
+                break
+            step /= 2.0
+        if not accepted:  # no progress at this precision (flagged if above KKT_TOL)
+            break
+        x = trial
+        n, objective, likelihood, uniform, gradient, _, kkt = measured
+    converged = converged or kkt <= KKT_TOL
+    return x / x.sum(), torch.stack([likelihood, uniform]), passes, converged
