@@ -138,6 +138,11 @@ def mixture_weights(
     (:math:`\pi \leftarrow \frac1N\sum_i \mathrm{softmax}(g_i + \ln\pi)`), two steps at a time
     extrapolated by SQUAREM's S3 step and kept only if the likelihood does not drop.
     :math:`\ell` is concave, so the maximiser is unique where the components are distinct.
+    Converged means optimal: the EM step moved :math:`\pi` by less than ``tol`` *and* the
+    optimality gap :math:`\max_j \partial_j\ell/N - 1` is at most
+    :data:`~frolic_tta.mixture_newton.KKT_TOL`. A solve not converged after
+    :data:`NEWTON_AFTER` passes, or whose step test stopped with the gap open, goes on by
+    Newton steps (:func:`~frolic_tta.mixture_newton.newton_weights`) within ``max_passes``.
 
     Args:
         source: ``(N_local, K)`` component log-likelihoods :math:`g` of the local shard.
@@ -155,7 +160,7 @@ def mixture_weights(
 
     Returns:
         ``(pi (K,), Lambda, passes, converged)`` with :math:`\Lambda = 2(\ell(\hat\pi) -
-        \ell(\mathbf 1/K))` clamped at 0.
+        \ell(\mathbf 1/K))` clamped at 0; ``converged`` false where ``max_passes`` ran out.
     """
     reduce_fn = reduce_fn or identity_reduce
     k = source.num_classes
