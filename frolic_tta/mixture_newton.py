@@ -47,9 +47,8 @@ lets a weight enter from 0 in one step; from 1e-10 its curvature allows it to do
 UNIFORM_MIX = 0.1
 r"""Where some weight's gradient asks it to more than double (:math:`\max_j \partial_j\ell/N
 > 2`), the start is mixed with this much of the uniform weights on the support and the classes
-asking in: a sample whose classes all
-have weight ~0 makes the quadratic model's curvature :math:`u_i^{-2}` explode (mix-SQP
-starts from uniform for the same reason)."""
+asking in: a sample whose classes all have weight ~0 makes the quadratic model's curvature
+:math:`u_i^{-2}` explode (mix-SQP starts from uniform for the same reason)."""
 
 
 def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
@@ -92,7 +91,7 @@ def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) 
         passive[int(linear.argmax())] = True
     for _ in range(3 * c + 100):
         index = passive.nonzero().squeeze(1)
-        block = hessian[index][:, index] + ridge * torch.eye(len(index), dtype=hessian.dtype)
+        block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
         factor, info = torch.linalg.cholesky_ex(block)
         if int(info) != 0:  # numerically singular despite the ridge: least squares
             solved = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
@@ -164,6 +163,7 @@ def newton_weights(
 
     n, objective, likelihood, uniform, gradient, _, kkt = measure(x)
     passes, converged = 1, False
+    hessian, at_columns = None, None  # the Hessian at x, over the classes at_columns
     if kkt > 1.0:  # mixed with the uniform weights of the support and the classes asking in
         support = ((x > 0) | (gradient / n > 1.0)).double()
         x = (1.0 - UNIFORM_MIX) * x + UNIFORM_MIX * support / support.sum()
@@ -179,10 +179,11 @@ def newton_weights(
         columns = ((x > 0) | (gradient / n > 1.0)).nonzero().squeeze(1)
         if columns.numel() > MAX_COLUMNS:
             break
-        *_, hessian, _ = measure(x, columns)
-        passes += 1
-        if passes >= max_passes:
-            break
+        if hessian is None or not torch.equal(columns, at_columns):  # else the trial's
+            *_, hessian, _ = measure(x, columns)
+            passes += 1
+            if passes >= max_passes:
+                break
         step_gradient = 1.0 - gradient[columns] / n
         linear = hessian @ x[columns] - step_gradient
         tol = NEWTON_TOL / 10 + 1e-13 * float(linear.abs().max())  # b - Hy's rounding
@@ -195,7 +196,7 @@ def newton_weights(
         step, accepted = 1.0, False
         while passes < max_passes and step >= 1e-12:  # backtracking (Armijo) on F
             trial = (x + step * direction).clamp_(min=0.0)
-            measured = measure(trial)
+            measured = measure(trial, columns)  # its Hessian serves the next step
             passes += 1
             if float(measured[1]) <= float(objective) + 1e-4 * step * slope:
                 accepted = True
@@ -203,7 +204,7 @@ def newton_weights(
             step /= 2.0
         if not accepted:  # no progress at this precision (flagged if above KKT_TOL)
             break
-        x = trial
-        n, objective, likelihood, uniform, gradient, _, kkt = measured
+        x, at_columns = trial, columns
+        n, objective, likelihood, uniform, gradient, hessian, kkt = measured
     converged = converged or kkt <= KKT_TOL
     return x / x.sum(), torch.stack([likelihood, uniform]), passes, converged
