@@ -15,11 +15,13 @@ dtype (float32, float16) in a fresh process:
   global index (float16: back to float32, re-normalised);
 * **refit**: ``trainer.predict`` of a real ``FrolicModule`` (ViT-B-16 architecture, not used:
   its ``build_prototypes`` returns the generated prototypes) over a DataLoader of the stored
-  features and their moment sums (``FeatureDataset(..., moments=stored.moments)``), batch
-  256, ``ablations=False``, on the CPU: the predict loop without the encoder (batches, N and
-  sum x, the kept zero-shot logits) and finalize (head, tau_g, beta, filling the outputs, f_d's
-  metrics), measured inside the run, the median of 5 runs; once with ``ablations=True`` (every
-  Table 3/4 row, labels given); and once without the stored sums (the loop computes them).
+  features and their moment sums (``FeatureDataset(..., moments=stored.moments)``), batches
+  of ``FEATURE_BATCH_SIZE`` gathered by ``collate_stored`` (the CLI's loader for a store),
+  ``ablations=False``, on the CPU: the predict loop without the encoder (batches, N and sum x,
+  the kept zero-shot logits) and finalize (head, tau_g, beta, filling the outputs, f_d's
+  metrics), measured inside the run, the median of 5 runs (the previous runs' garbage collected
+  first, as in a process that refits once); once with ``ablations=True`` (every Table 3/4 row,
+  labels given); and once without the stored sums (the loop computes them).
 
 The encode cost beside it is ``benchmarks/results/overhead.json``'s: ViT-B-16 per image on this
 CPU, times 50,000, and its text-prototype time (1,000 classes x 80 templates), which a refit
@@ -30,6 +32,7 @@ measured is the one checked out (``commit`` in the JSON).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import shutil
@@ -44,7 +47,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from frolic_tta import FrolicModule
-from frolic_tta.data.store import FeatureDataset, load_store, write_manifest, write_shard
+from frolic_tta.data.datamodules import FEATURE_BATCH_SIZE
+from frolic_tta.data.store import (
+    FeatureDataset,
+    collate_stored,
+    load_store,
+    write_manifest,
+    write_shard,
+)
 from frolic_tta.data.store_moments import StoredMoments
 from frolic_tta.lightning.store import add_store_moments
 
@@ -99,7 +109,9 @@ def refit(
         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False,
     )  # fmt: skip
-    loader = DataLoader(FeatureDataset(features, labels, moments=moments), batch_size=256)
+    dataset = FeatureDataset(features, labels, moments=moments)  # batched as the CLI batches it
+    loader = DataLoader(dataset, batch_size=FEATURE_BATCH_SIZE, collate_fn=collate_stored)
+    gc.collect()  # the earlier runs' modules (a ViT-B-16 each) are garbage, not yet collected
     start, cpu = common.now(), common.cpu_seconds()
     outputs = trainer.predict(module, loader)
     total, cpu = common.now() - start, common.cpu_seconds() - cpu
@@ -184,6 +196,7 @@ def main() -> None:
     payload = {
         "machine": common.finish_info(info),
         "goal_refit_s": GOAL_REFIT_S,
+        "batch_size": FEATURE_BATCH_SIZE,
         "encode": encode,
         "cases": cases,
     }

@@ -51,7 +51,9 @@ def test_a_refit_uses_the_stored_sums_and_equals_the_run_that_wrote_them(
 
 
 @pytest.mark.parametrize(
-    "extra", [OTHER_TEMPLATES, ("--trainer.limit_predict_batches", "3")], ids=["prompts", "part"]
+    "extra",
+    [OTHER_TEMPLATES, ("--trainer.limit_predict_batches", "3", "--data.feature_batch_size", "4")],
+    ids=["prompts", "part"],
 )
 def test_other_prompts_or_part_of_the_store_compute_the_sums_again(
     written, tiny_clip, image_folder, tmp_path, extra

@@ -24,11 +24,11 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 
 from frolic_tta.data.datasets import canonical_dataset_name, clean_class_name
+from frolic_tta.data.feature_dataset import FeatureDataset, collate_stored
 from frolic_tta.data.indexed import (
     DataDescription,
     DatasetNotFoundError,
@@ -37,9 +37,9 @@ from frolic_tta.data.indexed import (
     check_class_names,
     dataset_paths,
 )
+from frolic_tta.data.loaders import check_samples_per_rank, default_num_workers
 from frolic_tta.data.splits import load_dataset
-from frolic_tta.data.store import DTYPES, FeatureDataset, feature_key, has_manifest, load_store
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.data.store import DTYPES, feature_key, has_manifest, load_store
 
 __all__ = [
     "STORE_MODES",
@@ -54,8 +54,9 @@ STORE_MODES = ("auto", "read", "write")
 exist; ``write``: encode and replace it."""
 StoreDtype = Literal["float32", "float16"]
 StoreMode = Literal["auto", "read", "write"]
-
-MAX_DEFAULT_WORKERS = 8
+FEATURE_BATCH_SIZE = 2048
+"""Default ``feature_batch_size``: stored features per batch. No encoder runs on them, so a
+small batch only adds per-batch overhead (the largest temporary is a (rows, K) float64 product)."""
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,6 @@ class StoreRequest:
     directory: Path
     key: dict[str, Any]  # :func:`~frolic_tta.data.store.feature_key`
     dtype: str  # "float32" or "float16"
-
-
-def default_num_workers(devices_per_node: int = 1) -> int:
-    """DataLoader workers when none are given: what this machine's CPUs allow per process.
-
-    Lightning's suggestion (CPUs available to this process // ``devices_per_node`` - 1, at least
-    1), at most :data:`MAX_DEFAULT_WORKERS`: neither Lightning nor PyTorch warns about it.
-    """
-    return min(MAX_DEFAULT_WORKERS, suggested_max_num_workers(max(1, devices_per_node)))
 
 
 class _IndexedDataModule(L.LightningDataModule):
@@ -95,6 +87,7 @@ class _IndexedDataModule(L.LightningDataModule):
         feature_store_dtype: str = "float32",
         feature_store_mode: str = "auto",
         feature_store_verify: bool = False,
+        feature_batch_size: int = FEATURE_BATCH_SIZE,
     ) -> None:
         super().__init__()
         if feature_store_dtype not in DTYPES:
@@ -116,15 +109,15 @@ class _IndexedDataModule(L.LightningDataModule):
         self._limit = limit
         #: Set by :meth:`setup`: the store to write from this run (``None``: none, or read).
         self.store_request: StoreRequest | None = None
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        for name, size in (("batch_size", batch_size), ("feature_batch_size", feature_batch_size)):
+            if size < 1:
+                raise ValueError(f"{name} must be a positive integer, got {size}")
+        self.feature_batch_size = feature_batch_size
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 or None (automatic), got {num_workers}")
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive integer or None, got {limit}")
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.preprocess = preprocess
+        self.batch_size, self.num_workers, self.preprocess = batch_size, num_workers, preprocess
         self.source = self._apply_limit(source, limit)
         self.class_names = check_class_names(class_names)
         #: Whether batches carry a ``"label"`` entry.
@@ -159,8 +152,7 @@ class _IndexedDataModule(L.LightningDataModule):
     def _resolve_transform(self) -> Callable[[Any], Any]:
         if self.preprocess is not None:
             return self.preprocess
-        trainer = getattr(self, "trainer", None)
-        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
         transform = getattr(module, "preprocess", None)
         if transform is None:
             raise ValueError(
@@ -183,8 +175,7 @@ class _IndexedDataModule(L.LightningDataModule):
             self._setup_store(transform)
 
     def _setup_store(self, transform: Callable[[Any], Any]) -> None:
-        trainer = getattr(self, "trainer", None)
-        module = getattr(trainer, "lightning_module", None)
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
         hparams = getattr(module, "hparams", {})
         if "model_name" not in hparams:
             raise ValueError(
@@ -227,12 +218,13 @@ class _IndexedDataModule(L.LightningDataModule):
         workers = self.num_workers
         if workers is None:
             workers = default_num_workers(int(getattr(trainer, "num_devices", 1) or 1))
-        stored = isinstance(self.dataset, FeatureDataset)
+        stored = isinstance(self.dataset, FeatureDataset)  # no encoder: gathered, large batches
         return DataLoader(
             self.dataset,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
+            batch_size=self.feature_batch_size if stored else self.batch_size,
             shuffle=False,
             num_workers=0 if stored else workers,
+            collate_fn=collate_stored if stored else None,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
         )
@@ -240,20 +232,6 @@ class _IndexedDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Same loader as :meth:`predict_dataloader`."""
         return self.predict_dataloader()
-
-
-def check_samples_per_rank(num_samples: int, world_size: int) -> None:
-    """Fail before any sampler is built when there are fewer samples than processes.
-
-    Raises:
-        FrolicInputError: ``num_samples < world_size``.
-    """
-    if num_samples < world_size:
-        raise FrolicInputError(
-            f"Expected at least one sample per process (N >= world size {world_size}), but the "
-            f"dataset has N={num_samples}; use fewer --trainer.devices or more data "
-            "(--data.limit)"
-        )
 
 
 def override_class_names(
@@ -319,6 +297,8 @@ class FrolicDataModule(_IndexedDataModule):
             (encode and replace it).
         feature_store_verify: key the store by every image's content (SHA-256) instead of
             its size and modification time (:mod:`frolic_tta.data.store_key`).
+        feature_batch_size: Stored features per batch when the store is read (no encoder runs:
+            large batches keep Lightning's per-batch overhead out of a refit).
     """
 
     def __init__(
@@ -338,6 +318,7 @@ class FrolicDataModule(_IndexedDataModule):
         feature_store_dtype: StoreDtype = "float32",
         feature_store_mode: StoreMode = "auto",
         feature_store_verify: bool = False,
+        feature_batch_size: int = FEATURE_BATCH_SIZE,
     ) -> None:
         key = str(dataset).strip().lower()
         if key in ("folder", "unlabeled"):
@@ -349,7 +330,8 @@ class FrolicDataModule(_IndexedDataModule):
             source, split_source = loaded.dataset, loaded.split_source
             names = override_class_names(class_names, loaded.class_names, f"dataset {key!r}")
         labeled = key != "unlabeled"
-        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify)
+        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify,
+                 feature_batch_size)  # fmt: skip
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = key
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
@@ -376,6 +358,8 @@ class ImageFolderDataModule(_IndexedDataModule):
             (encode and replace it).
         feature_store_verify: key the store by every image's content (SHA-256) instead of
             its size and modification time (:mod:`frolic_tta.data.store_key`).
+        feature_batch_size: Stored features per batch when the store is read (no encoder runs:
+            large batches keep Lightning's per-batch overhead out of a refit).
     """
 
     def __init__(
@@ -391,9 +375,11 @@ class ImageFolderDataModule(_IndexedDataModule):
         feature_store_dtype: StoreDtype = "float32",
         feature_store_mode: StoreMode = "auto",
         feature_store_verify: bool = False,
+        feature_batch_size: int = FEATURE_BATCH_SIZE,
     ) -> None:
         source, names = _folder_source(root, labeled, class_names)
-        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify)
+        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify,
+                 feature_batch_size)  # fmt: skip
         super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
         self.dataset_name = "folder" if labeled else "unlabeled"
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
 
+from frolic_tta.data.feature_dataset import FeatureDataset, collate_stored
 from frolic_tta.data.store_files import (
     MANIFEST,
     FeatureStoreError,
@@ -64,6 +64,7 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "FeatureDataset",
+    "collate_stored",
     "FeatureStoreError",
     "StoredFeatures",
     "feature_key",
@@ -339,38 +340,3 @@ def load_store(
         features = features / features.norm(dim=1, keepdim=True).clamp_min(1e-12)
     moments = read_moments(folder, manifest, verify)
     return StoredFeatures(features, labels, manifest, errors, moments)
-
-
-class FeatureDataset(Dataset):
-    """Stored features as FrolicModule batches: ``{"features", "index"[, "label", "error"]}``.
-
-    ``FrolicModule.predict_step`` uses ``features`` instead of running the image encoder.
-
-    Args:
-        features: ``(N, d)`` features in global index order.
-        labels: ``(N,)`` labels or ``None``.
-        errors: ``N`` reasons a sample's image could not be read (``""``: read), or ``None``.
-        moments: the store's moment sums (``StoredFeatures.moments``): a ``FrolicModule``
-            predicting over this dataset skips their pass where they are for its prototypes.
-    """
-
-    def __init__(
-        self,
-        features: Tensor,
-        labels: Tensor | None = None,
-        errors: list[str] | None = None,
-        moments: StoredMoments | None = None,
-    ) -> None:
-        self.features, self.labels, self.errors = features, labels, errors
-        self.moments = moments
-
-    def __len__(self) -> int:
-        return self.features.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        item: dict[str, Any] = {"features": self.features[index], "index": int(index)}
-        if self.labels is not None:
-            item["label"] = int(self.labels[index])
-        if self.errors is not None:
-            item["error"] = self.errors[index]
-        return item
