@@ -11,6 +11,12 @@ fresh subprocess: ``devices=1`` with 2 torch threads, or ``strategy="ddp"`` with
 of identical predictions, tau_g and beta differences, the Table 3/4 accuracies of both runs,
 encoder passes per image, and wall times (``trainer.predict`` on rank 0, and the whole process
 including start-up).
+
+The encoder's float32 output depends on the thread count and on which images share a batch,
+so the same comparison is made once more on identical features: the 1-process run also writes
+a feature store (``FeatureStoreWriter``), which 1 process (batch 32) and 2 DDP processes (batch
+48, so the batches and shard edges differ) then refit (``comparison_store``): what is left is
+the estimator's own order of summation.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ SMALL_CLIP = {
     "vision_cfg": {"image_size": 64, "patch_size": 8, "width": 128, "layers": 4, "head_width": 32},
     "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 2},
 }
+STORE_KEY = {"format": 1, "benchmark": "ddp"}
 CLASS_NAMES = [
     "red",
     "green",
@@ -93,6 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     import lightning as L
 
     from frolic_tta import FrolicModule, FrolicPredictionWriter
+    from frolic_tta.data.store import FeatureDataset, collate_stored, load_store
+    from frolic_tta.lightning.store import FeatureStoreWriter
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
     module = FrolicModule(
@@ -102,6 +111,14 @@ def worker(args: argparse.Namespace) -> None:
         templates=["a photo of a {}."],
     )
     timer = LoopTimer()
+    callbacks: list[Callback] = [FrolicPredictionWriter(args.out), timer]
+    loader = DataLoader(PatternImages(args.n, args.classes), batch_size=args.batch_size)
+    if args.store and args.mode == "images":  # the 1-process run keeps its features
+        callbacks.append(FeatureStoreWriter(args.store, {**STORE_KEY, "n": args.n}))
+    elif args.store:  # a refit from those features: no encoder
+        s = load_store(args.store, {**STORE_KEY, "n": args.n})
+        data = FeatureDataset(s.features, s.labels, s.errors, s.moments)
+        loader = DataLoader(data, batch_size=args.batch_size, collate_fn=collate_stored)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -110,9 +127,8 @@ def worker(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[FrolicPredictionWriter(args.out), timer],
+        callbacks=callbacks,
     )
-    loader = DataLoader(PatternImages(args.n, args.classes), batch_size=args.batch_size)
     start = common.now()
     trainer.predict(module, dataloaders=loader, return_predictions=False)
     wall = common.now() - start
@@ -168,6 +184,8 @@ def main() -> None:
     parser.add_argument("--config", default="", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="images", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -185,25 +203,32 @@ def main() -> None:
         checkpoint = Path(tmp) / "weights.pt"
         torch.save(open_clip.create_model(config.stem).state_dict(), checkpoint)
         runs: dict[str, Any] = {}
-        for devices in (1, 2):
-            out = Path(tmp) / f"devices{devices}"
+        store = Path(tmp) / "store"
+        plan = [("1", 1, "images", args.batch_size), ("2", 2, "images", args.batch_size),
+                ("store, 1", 1, "store", args.batch_size), ("store, 2", 2, "store", 48)]
+        for name, devices, mode, batch in plan:
+            out = Path(tmp) / name.replace(", ", "_")
+            keeps = mode == "store" or devices == 1  # the 1-process run writes the store
             command = [
                 "benchmarks/ddp.py", "--worker", "--devices", str(devices),
                 "--config", str(config), "--checkpoint", str(checkpoint), "--out", str(out),
-                "--n", str(args.n), "--batch-size", str(args.batch_size),
-                "--classes", str(args.classes),
+                "--n", str(args.n), "--batch-size", str(batch),
+                "--classes", str(args.classes), "--mode", mode,
+                "--store", str(store) if keeps else "",
             ]  # fmt: skip
             start = common.now()
             common.run_script(command)
             total = common.now() - start
             summary = json.loads((out / "summary.json").read_text())
-            runs[str(devices)] = {
+            runs[name] = {
                 "loop_s": summary["loop_s"],
                 "predict_s": summary["predict_s"],
                 "process_s": total,
+                "batch_size": batch,
             }
-            print(f"{devices} process(es): {runs[str(devices)]}", flush=True)
-        comparison = compare(Path(tmp) / "devices1", Path(tmp) / "devices2", args.n)
+            print(f"{name} process(es): {runs[name]}", flush=True)
+        comparison = compare(Path(tmp) / "1", Path(tmp) / "2", args.n)
+        comparison_store = compare(Path(tmp) / "store_1", Path(tmp) / "store_2", args.n)
     payload = {
         "machine": common.finish_info(info),
         "config": {
@@ -214,6 +239,7 @@ def main() -> None:
         },  # fmt: skip
         "runs": runs,
         "comparison": comparison,
+        "comparison_store": comparison_store,
     }
     name = "ddp_quick" if args.quick else "ddp"
     from report import ddp_section

@@ -229,12 +229,30 @@ def ddp_section(p: dict[str, Any] | None) -> str:
     if p is None:
         return NOT_RUN.format("python benchmarks/ddp.py")
     c, cmp = p["config"], p["comparison"]
-    rows = [
-        [f"{d} process{'es' if d == '2' else ''}", r["loop_s"], r["predict_s"], r["process_s"]]
-        for d, r in p["runs"].items()
-    ]
+    def label(name: str) -> str:
+        devices = name.split(", ")[-1]
+        run = f"{devices} process{'es' if devices == '2' else ''}"
+        return f"refit from the store, {run}" if name.startswith("store") else f"images, {run}"
+
+    rows = [[label(d), r["loop_s"], r["predict_s"], r["process_s"]] for d, r in p["runs"].items()]
     headers = ["CPU run", "predict loop s", "trainer.predict s", "whole process s"]
     identical = cmp["prediction_agreement"] == 1.0
+    same = p.get("comparison_store")
+    store_line = []
+    if same is not None:
+        batches = [r.get("batch_size") for d, r in p["runs"].items() if d.startswith("store")]
+        store_line = [
+            "",
+            "On identical features (the 1-process run's feature store, refit by 1 process with "
+            f"batch {batches[0]} and by 2 DDP processes with batch {batches[1]}): "
+            f"{verdict(same['prediction_agreement'] == 1.0)} identical predictions "
+            f"({same['prediction_agreement']:.4%}); max |Δ logits| "
+            f"{same['max_abs_logit_diff']:.2e} ({same['relative_logit_diff']:.1e} of the largest "
+            f"logit); τ_g relative difference {same['tau_g_relative_diff']:.1e}; max |Δβ| "
+            f"{same['beta_max_abs_diff']:.1e}; test prior weight "
+            f"{same['test_prior_weight'][0]:.4f} and {same['test_prior_weight'][1]:.4f}. "
+            "What differs is the estimator's order of summation over 1 or 2 shards.",
+        ]
     return "\n".join(
         [
             f"Small open_clip ViT (embed 64, 64 px, 4 layers), N = {c['n']:,} generated "
@@ -254,6 +272,7 @@ def ddp_section(p: dict[str, Any] | None) -> str:
             "in float32 rounding only (open_clip's output depends on which images share a "
             "batch). predict loop = `on_predict_start` (after a barrier) to `on_predict_end`; "
             "trainer.predict also launches rank 1 and sets up the process group.",
+            *store_line,
             "",
             f"Machine: {machine(p['machine'])}.",
         ]
