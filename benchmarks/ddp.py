@@ -15,8 +15,8 @@ including start-up).
 The encoder's float32 output depends on the thread count and on which images share a batch,
 so the same comparison is made once more on identical features: the 1-process run also writes
 a feature store (``FeatureStoreWriter``), which 1 process (batch 32) and 2 DDP processes (batch
-48, so the batches and shard edges differ) then refit (``comparison_store``): what is left is
-the estimator's own order of summation.
+48, so the batches and shard edges differ), each with 1 thread (the same text prototypes),
+then refit (``comparison_store``): what is left is the estimator's own order of summation.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     from frolic_tta.data.store import FeatureDataset, collate_stored, load_store
     from frolic_tta.lightning.store import FeatureStoreWriter
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // args.devices))
     module = FrolicModule(
         model_name=args.config,
         pretrained=args.checkpoint,
@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="images", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -204,9 +205,9 @@ def main() -> None:
         torch.save(open_clip.create_model(config.stem).state_dict(), checkpoint)
         runs: dict[str, Any] = {}
         store = Path(tmp) / "store"
-        plan = [("1", 1, "images", args.batch_size), ("2", 2, "images", args.batch_size),
-                ("store, 1", 1, "store", args.batch_size), ("store, 2", 2, "store", 48)]
-        for name, devices, mode, batch in plan:
+        plan = [("1", 1, "images", args.batch_size, 0), ("2", 2, "images", args.batch_size, 0),
+                ("store, 1", 1, "store", args.batch_size, 1), ("store, 2", 2, "store", 48, 1)]
+        for name, devices, mode, batch, threads in plan:
             out = Path(tmp) / name.replace(", ", "_")
             keeps = mode == "store" or devices == 1  # the 1-process run writes the store
             command = [
@@ -214,7 +215,7 @@ def main() -> None:
                 "--config", str(config), "--checkpoint", str(checkpoint), "--out", str(out),
                 "--n", str(args.n), "--batch-size", str(batch),
                 "--classes", str(args.classes), "--mode", mode,
-                "--store", str(store) if keeps else "",
+                "--store", str(store) if keeps else "", "--threads", str(threads),
             ]  # fmt: skip
             start = common.now()
             common.run_script(command)

@@ -62,7 +62,7 @@ def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
     tiny = torch.finfo(torch.float64).tiny
     weights = x.to(torch.float64)
     for _, logits in source.chunks():
-        g = logits.to(torch.float64)
+        g = logits.to(torch.float64, copy=True)  # float64 logits: worked on in place below
         top = g.amax(dim=1, keepdim=True)
         e = g.sub_(top).exp_()
         weights = weights.to(e.device)  # a no-op after the first chunk
