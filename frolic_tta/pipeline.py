@@ -52,14 +52,9 @@ from frolic_tta.logits import (
 )
 from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
-from frolic_tta.prior import (
-    HEAD_LABELS_EPS,
-    Priors,
-    fit_test_prior,
-    posterior_sums,
-    refitted_sums,
-)
+from frolic_tta.prior import HEAD_LABELS_EPS, Priors, fit_test_prior
 from frolic_tta.released import released_proxies
+from frolic_tta.soft_sums import posterior_sums, refitted_sums
 from frolic_tta.validation import check_matrix, check_prototypes, check_samples_everywhere
 
 
@@ -227,7 +222,9 @@ def fit_frolic(
         report("zero-shot prior")
         spare = {"bound": head_box, "eps": head_eps, "spare": buffer}  # f_g's, until filled
         head_bias = match(zero_shot, method="soft", name=ZERO_SHOT_BETA, **spare)
-        packed = posterior_sums(zero_shot, head_bias.log_offset, features, head_bias.exponentials)
+        packed = posterior_sums(
+            zero_shot, head_bias.log_offset, features, head_bias.exponentials, sums.count
+        )
         head_bias = dataclasses.replace(head_bias, exponentials=None)
         head_sums = refitted_sums(sums, reduce_fn(packed))
         gaussian = fit_gaussian_head(head_sums, prototypes, "soft", options.shrinkage)

@@ -43,7 +43,8 @@ under that posterior, solve its weights again and update :math:`w` from the new 
 **Exactness.** The estimate is a fixed, defined computation (the balanced refit, then
 ``rounds`` refits), and every solve in it runs to its tolerance with its stop test on reduced
 values, so 1, 2 or 3 processes, any chunk size and any thread count give the same prior up to
-rounding. ``converged`` reports whether every weight solve reached ``tol``.
+rounding: the soft sums behind each refit are float64 where that is cheap
+(:mod:`frolic_tta.soft_sums`). ``converged`` reports whether every weight solve reached ``tol``.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -64,14 +65,13 @@ from frolic_tta.logits import (
     identity_reduce,
 )
 from frolic_tta.matching import (
-    Exponentials,
     MassMatch,
     floored,
     match_class_masses,
-    unnormalised,
 )
 from frolic_tta.mixture import mixture_weights
 from frolic_tta.options import FrolicOptions, Shrinkage
+from frolic_tta.soft_sums import posterior_sums, refitted_sums
 
 
 @dataclass(frozen=True)
@@ -102,35 +102,6 @@ class TestPriorEstimate:
     passes: int
     converged: bool
     head: GaussianHead | None = None
-
-
-def posterior_sums(
-    source: LogitSource,
-    log_offset: Tensor,
-    features: Tensor,
-    exp: Exponentials | None = None,
-) -> Tensor:
-    r"""Packed ``[sum_i q_i (K,), sum_i q_i x_i^T (K*d,)]`` of the local shard (float64) for the
-    debiased posterior :math:`q_i = \mathrm{softmax}(f(x_i) + \text{offset})` of the logits
-    ``source`` (reduce it, then :func:`refitted_sums`); ``exp``: the logits'
-    :class:`~frolic_tta.matching.Exponentials`, if at hand (no exponential then)."""
-    k, d = source.num_classes, features.shape[1]
-    count = torch.zeros(k, dtype=torch.float64, device=features.device)
-    weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
-    start = 0
-    for posterior, _ in unnormalised(source, log_offset, exp):
-        posterior.div_(posterior.sum(dim=1, keepdim=True))
-        block = features[start : start + posterior.shape[0]].to(posterior.dtype)
-        count += posterior.sum(0).double()
-        weighted += (posterior.t() @ block).double()
-        start += posterior.shape[0]
-    return torch.cat([count, weighted.flatten()]).cpu()
-
-
-def refitted_sums(sums: MomentSums, packed: Tensor) -> MomentSums:
-    """``sums`` with their soft sums replaced by the reduced :func:`posterior_sums` ``packed``."""
-    k = sums.soft_count.shape[0]
-    return replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
 
 
 def estimate_test_prior(
@@ -200,7 +171,8 @@ def estimate_test_prior(
         bias: MassMatch, init: Tensor | None, below: float | None = None
     ) -> tuple[Tensor, float, int, bool]:
         """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
-        packed = reduce_fn(posterior_sums(source, bias.log_offset, features, bias.exponentials))
+        local = posterior_sums(source, bias.log_offset, features, bias.exponentials, sums.count)
+        packed = reduce_fn(local)
         refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
         fitted[:] = [head]  # only the last refit is kept
