@@ -252,12 +252,11 @@ def ddp_section(p: dict[str, Any] | None) -> str:
             f"logit); τ_g relative difference {same['tau_g_relative_diff']:.1e}; max |Δβ| "
             f"{same['beta_max_abs_diff']:.1e}; test prior weight "
             f"{same['test_prior_weight'][0]:.4f} and {same['test_prior_weight'][1]:.4f}. "
-            "So the difference is the estimator's, not the encoder's: some of its float32 sums "
-            "(the soft class sums behind f_g) are grouped by shard, and in this world (a "
-            "random-weight encoder, zero-shot 10 %) τ_g's confidence curve is flat, so their "
-            "rounding moves τ_g. `tests/test_sharded_core.py` keeps 512 of its features as an "
-            "expected failure at 1e-5 (there, with τ_c = 0.01, through the test prior's flat "
-            "mixture) and shows float64 features agreeing on 1, 2 and 3 shards.",
+            "The soft class sums behind the head are float64 at this size "
+            "(`frolic_tta.soft_sums`): summed as float32 products, their rounding followed the "
+            "shards' grouping of rows and moved this world's weakly determined τ_g (a "
+            "random-weight encoder, zero-shot 10 %). `tests/test_sharded_core.py` checks 512 "
+            "of its features on 1, 2 and 3 shards to 1e-5.",
         ]
     return "\n".join(
         [
