@@ -1,6 +1,6 @@
 """DDP on CPU: FrolicModule with 1 vs 2 processes, same long-tailed data and weights.
 
-Run: ``python benchmarks/ddp.py`` (about a minute on 2 CPU cores; ``--quick``: ~30 s).
+Run: ``python benchmarks/ddp.py`` (about 2 minutes on 2 CPU cores, 4 runs; ``--quick``: ~80 s).
 Writes ``benchmarks/results/ddp.json``.
 
 A small open_clip ViT (registered from a config JSON; seeded weights saved to a checkpoint so
