@@ -221,6 +221,12 @@ class AffineMap:
     bias: Tensor
     center: Tensor | None = None
 
+    def __post_init__(self) -> None:  # one device: the weight's (K-vectors are often on CPU)
+        device = self.weight.device
+        object.__setattr__(self, "bias", self.bias.to(device))
+        if self.center is not None:
+            object.__setattr__(self, "center", self.center.to(device))
+
     def source(self, features: Tensor, chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> LinearLogits:
         """The logits of ``features`` ``(N, d)`` as a chunked :class:`LogitSource`."""
         return LinearLogits(features, self.weight, self.bias, chunk_size, self.center)

@@ -62,4 +62,5 @@ def posterior_sums(
 def refitted_sums(sums: MomentSums, packed: Tensor) -> MomentSums:
     """``sums`` with their soft sums replaced by the reduced :func:`posterior_sums` ``packed``."""
     k = sums.soft_count.shape[0]
+    packed = packed.to(sums.soft_count.device)  # the sums' device (the head is solved there)
     return replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
