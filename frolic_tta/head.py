@@ -23,6 +23,7 @@ from torch import Tensor
 
 from frolic_tta.gda import GaussianHead
 from frolic_tta.logits import AffineMap
+from frolic_tta.precision import full_precision
 
 
 def fused_map(
@@ -89,8 +90,10 @@ class FrolicHead:
         return self.fused().shift(self.log_offset())
 
     def score(self, features: Tensor) -> Tensor:
-        r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation)."""
-        return self.debiased().logits(features)
+        r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation), in float32
+        without autocast or TF32 (:func:`~frolic_tta.precision.full_precision`)."""
+        with full_precision(features.device.type):
+            return self.debiased().logits(features)
 
     def to_module(self) -> FrolicClassifier:
         """The adapted classifier as a :class:`FrolicClassifier` (centred, float32-safe)."""

@@ -52,6 +52,7 @@ from frolic_tta.logits import (
 )
 from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
+from frolic_tta.precision import ieee_float32
 from frolic_tta.prior import HEAD_LABELS_EPS, Priors, fit_test_prior
 from frolic_tta.released import released_proxies
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
@@ -103,6 +104,7 @@ class FrolicFit:
 
 
 @torch.no_grad()
+@ieee_float32()
 def fit_frolic(
     features: Tensor,
     prototypes: Tensor,

@@ -29,9 +29,8 @@ The global count of samples (used + skipped) must equal the dataset length (a pa
 limits the batches (``limit_predict_batches``, ``fast_dev_run``): then Frolic adapts on the
 samples seen and warns.
 
-**Precision.** Features are cached in float32 and the statistics are float64 under any Trainer
-precision (``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``): the metric is created after the
-precision plugin has converted the module, and finalize runs with autocast disabled.
+**Precision.** Float32 features, float64 statistics under any Trainer precision; Frolic's own
+products run without autocast and in IEEE float32 (TF32 off): :mod:`frolic_tta.precision`.
 
 **After predict**: ``head`` and ``outcome``, one frozen :class:`~.outcome.PredictOutcome` set
 once at the end of finalize (a stored head: after the last batch), the contract the callbacks
@@ -84,6 +83,7 @@ from frolic_tta.logits import RowBuffer
 from frolic_tta.metrics import FrolicMoments
 from frolic_tta.options import FrolicOptions, options_from_dict
 from frolic_tta.pipeline import fit_frolic
+from frolic_tta.precision import full_precision
 
 
 class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
@@ -216,7 +216,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         )
         trainer = self._trainer
         progress = bool(trainer and trainer.is_global_zero and trainer.progress_bar_callback)
-        with torch.autocast(self.device.type, enabled=False):
+        with full_precision(self.device.type):
             return encode_prototypes(
                 self.clip,
                 self.tokenizer,
@@ -300,7 +300,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         mask, n = valid.to(features.device), features.shape[0]
         if self.reuse_head:
             return fill_output(output, self.head.score(features[mask]))
-        with torch.autocast(self.device.type, enabled=False):
+        with full_precision(self.device.type):
             self.moments.update(features[mask])
         self._features.append(features[mask])
         if labels is None:
@@ -319,7 +319,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
             head = cast(FrolicHead, self.head)
             self._outcome = PredictOutcome.stored(head, self._partial, self._skipped.records)
         elif self._outputs:
-            with torch.autocast(self.device.type, enabled=False):
+            with full_precision(self.device.type):
                 self.finalize()
 
     # ------------------------------------------------------------------ finalize

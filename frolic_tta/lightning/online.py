@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from frolic_tta.errors import FrolicInputError
 from frolic_tta.online import OnlineFrolic
+from frolic_tta.precision import full_precision
 
 ONLINE_KEYS = (
     "online_prediction",
@@ -102,7 +103,7 @@ class OnlineAnswers(L.Callback):
             )
         self.outputs.append(outputs)  # the module fills its end-of-stream predictions later
         features = module.batch_features
-        with torch.autocast(module.device.type, enabled=False):
+        with full_precision(module.device.type):
             answer = self.online.step(features[outputs["valid"].to(features.device)])
             fill(outputs, answer.logits, answer.zero_shot, answer.fallback)
             outputs.update(
