@@ -166,14 +166,14 @@ def run_reference(x: torch.Tensor, z: torch.Tensor, probe: Probe) -> dict[str, A
     probe.push("beta loop")  # Algorithm 2: hard labels, S (K x K), power iteration
     fused = gda / tau_g + zero_shot / TAU_C
     probs = torch.softmax(fused, 1)
-    beta = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    beta = torch.full((k,), 1.0 / k, dtype=torch.float64, device=x.device)
     for _ in range(100):
         probe.calls["beta_steps"] += 1
         labels = (fused - torch.log(beta.clamp(min=1e-12))).argmax(1)
-        s = torch.zeros(k, k, dtype=torch.float64).index_add_(1, labels, probs.t())
+        s = torch.zeros(k, k, dtype=torch.float64, device=x.device).index_add_(1, labels, probs.t())
         counts = torch.bincount(labels, minlength=k).double()
         s = torch.where(counts > 0, s / counts.clamp(min=1), torch.full_like(s, 1.0 / k))
-        new = torch.full((k,), 1.0 / k, dtype=torch.float64)
+        new = torch.full((k,), 1.0 / k, dtype=torch.float64, device=x.device)
         for _ in range(10_000):
             probe.calls["power_iterations"] += 1
             step = s @ new
@@ -292,7 +292,13 @@ def main() -> None:
         default=None,
         help="N run for the 21k case (default 10,000; 200,000 = full, never completed here)",
     )
-    parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="run only cases whose label contains this (repeatable: any of them)",
+    )
+    parser.add_argument("--exact", action="store_true", help="--only names whole labels")
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed runs per case (the median is kept)"
     )
@@ -315,7 +321,9 @@ def main() -> None:
     previous = {e["case"]["label"]: e for e in (common.read_result(name) or {}).get("cases", [])}
     done = {}
     for case in cases:
-        if args.only and args.only not in case["label"]:
+        if args.only and not any(
+            part == case["label"] if args.exact else part in case["label"] for part in args.only
+        ):
             continue
         if args.n21k and "21k" in case["label"]:
             case["n_run"] = args.n21k
@@ -350,7 +358,7 @@ def main() -> None:
                 same[0]["result"]["finalize_s"] / entry["result"]["finalize_s"]
             )
     if args.only:
-        info["rerun_only"] = args.only
+        info["rerun_only"] = " | ".join(args.only)
     # "public hooks": phases from fit_frolic's progress hook, passes = reduce_fn calls
     payload = {"machine": common.finish_info(info), "cases": results, "probe": "public hooks"}
     from report import finalize_section

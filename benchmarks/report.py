@@ -454,6 +454,15 @@ def limits_note(over: dict[str, Any] | None, fin: dict[str, Any] | None) -> str:
     return "**What limits it.** " + " ".join(notes) if notes else ""
 
 
+GPU_NOTE = (
+    "On the GPU, extra MiB is CUDA memory (`torch.cuda.max_memory_allocated`) above the same "
+    "baseline, and cores used counts the host CPU. The paper options' β loop (Algorithm 2's "
+    "hard labels and K×K power iterations, a host round trip per step) is the one phase slower "
+    "than the float64 reference there. The full 21k case (N = 200,000) did not finish within "
+    "the 80 s `benchmarks/cuda.sh` gave it (2026-11-26, H100): not measured on a GPU."
+)
+
+
 def section(suffix: str = "") -> str:
     over, fin = read_result("overhead" + suffix), read_result("finalize" + suffix)
     fin_gpu = read_result("finalize_cuda")
@@ -474,7 +483,8 @@ def section(suffix: str = "") -> str:
         "python benchmarks/inmap.py       # method: InMaP's cost",
         "python benchmarks/peers.py --quick  # method: released preset, paper, InMaP (~10 min)",
         "python benchmarks/report.py      # this page",
-        "# GPU: --device cuda (and --precision 16-mixed for overhead.py) -> *_cuda.json",
+        "# GPU: --device cuda (and --precision 16-mixed for overhead.py) -> *_cuda.json;",
+        "# benchmarks/cuda.sh runs the GPU tests and these (about 7 min on an H100)",
         "```",
         "",
         "## 1. Overhead against zero-shot",
@@ -485,7 +495,7 @@ def section(suffix: str = "") -> str:
         "",
         finalize_section(fin, gpu_row=fin_gpu is None),
         "",
-        *(["GPU:", "", finalize_section(fin_gpu), ""] if fin_gpu else []),
+        *(["GPU:", "", finalize_section(fin_gpu), "", GPU_NOTE, ""] if fin_gpu else []),
         "## 3. DDP: 1 vs 2 processes",
         "",
         ddp_section(read_result("ddp" + suffix)),
