@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and timings of docs/benchmarks.md, on one CUDA device, run from the repo root
-# with frolic-tta importable (pip install -e . or PYTHONPATH=.). About 7 minutes on an H100.
+# with frolic-tta importable (pip install -e . or PYTHONPATH=.). About 5 minutes on an H100
+# (2026-11-26; the full 21k case stops at its 80 s limit there).
 # Each step has its own time limit and the next one runs whatever happened; its output goes to $LOGS/steps.log.
 LOGS=${LOGS:-benchmarks/results/cuda_logs}
 PY=${PYTHON:-python3}
