@@ -32,7 +32,14 @@ import torch
 from torch import Tensor
 
 from frolic_tta.errors import warn
-from frolic_tta.logits import LogitSource, ReduceFn, as_source, identity_reduce, workspace
+from frolic_tta.logits import (
+    LogitSource,
+    ReduceFn,
+    as_source,
+    flushed_exp,
+    identity_reduce,
+    workspace,
+)
 from frolic_tta.options import FUSIONS, Fusion, check_choice, check_positive
 from frolic_tta.validation import check_shards_together
 
@@ -107,7 +114,7 @@ def _confidence_sums(
         work = workspace(work, logits, 2)
         scaled, exp = work[0], work[1]
         torch.sub(logits, top, out=scaled).div_(temperature)  # <= 0, exactly 0 at the top
-        torch.exp(scaled, out=exp).scatter_(1, where, 0.0)  # e_j, the top class left out
+        flushed_exp(scaled, out=exp).scatter_(1, where, 0.0)  # e_j, the top class left out
         rest_sum = exp.sum(1).double()  # r, pairwise in float32: relative rounding only
         growth = exp.mul_(scaled).sum(1).neg().double()  # sum_j e_j g_j
         square = exp.mul_(scaled).sum(1).double()  # sum_j e_j g_j^2

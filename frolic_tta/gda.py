@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.errors import FrolicInputError, warn
-from frolic_tta.logits import AffineMap, ReduceFn, chunk_rows, compute_dtype
+from frolic_tta.logits import AffineMap, ReduceFn, chunk_rows, compute_dtype, flushed_exp
 from frolic_tta.options import (
     COVARIANCES,
     Covariance,
@@ -167,7 +167,7 @@ def moment_sums(
     # the softmax with the top class's term (exactly 1) left out of r = sum_{j != a} e_j, so
     # the deficit r / (1 + r) keeps its digits where 1 - max_j p_ij rounds to 0
     top, where = scaled.max(dim=1, keepdim=True)
-    posterior = torch.sub(scaled, top).exp_()
+    posterior = flushed_exp(torch.sub(scaled, top))
     rest = posterior.scatter_(1, where, 0.0).sum(1, keepdim=True)
     posterior.scatter_(1, where, 1.0).div_(1.0 + rest)
     return MomentSums(

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce, workspace
+from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp, identity_reduce, workspace
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
@@ -157,7 +157,7 @@ def exponentials(source: LogitSource, buffer: Tensor) -> Exponentials:
         top = tops[start : start + logits.shape[0]]
         torch.amax(logits, dim=1, keepdim=True, out=top)
         depth = max(depth, float((top.squeeze(1) - logits.amin(dim=1)).max()))
-        torch.sub(logits, top, out=values).exp_()
+        flushed_exp(torch.sub(logits, top, out=values))
         rows = max(rows, logits.shape[0])
     return Exponentials(buffer, tops, depth, rows)
 
@@ -183,7 +183,7 @@ def unnormalised(
         work = workspace(work, logits)
         posterior = torch.add(logits, shift.to(logits), out=work[0])
         top = posterior.amax(dim=1, keepdim=True)
-        yield posterior.sub_(top).exp_(), top
+        yield flushed_exp(posterior.sub_(top)), top
 
 
 def _sums(

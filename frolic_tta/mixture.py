@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce, workspace
+from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp, identity_reduce, workspace
 from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, newton_weights
 
 
@@ -70,7 +70,7 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
         tiny = torch.finfo(logits.dtype).tiny
         top = logits.amax(dim=1, keepdim=True)
         work = workspace(work, logits, 2)
-        exp = torch.sub(logits, top, out=work[0]).exp_()
+        exp = flushed_exp(torch.sub(logits, top, out=work[0]))
         norm = torch.mul(exp, scaled, out=work[1]).sum(1).clamp_(min=tiny)  # (n,), pairwise
         total[0] += logits.shape[0]
         top = top.squeeze(1).double()

@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn
+from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp
 
 KKT_TOL = 1e-5
 r"""A weight solve is converged when :math:`\max_j \partial_j\ell(\pi)/N - 1 \le` ``KKT_TOL``:
@@ -64,7 +64,7 @@ def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
     for _, logits in source.chunks():
         g = logits.to(torch.float64, copy=True)  # float64 logits: worked on in place below
         top = g.amax(dim=1, keepdim=True)
-        e = g.sub_(top).exp_()
+        e = flushed_exp(g.sub_(top))
         weights = weights.to(e.device)  # a no-op after the first chunk
         u = (e @ weights).clamp_(min=tiny)
         top = top.squeeze(1).cpu()

@@ -32,6 +32,8 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
+from frolic_tta.logits import flushed_exp
+
 __all__ = ["CalibrationError", "NegativeLogLikelihood", "RowTerms", "TopKAccuracy"]
 
 
@@ -50,7 +52,7 @@ class RowTerms:
         ``out``: a tensor like ``logits`` for the exponentials (a pass's workspace)."""
         peak, top = logits.max(dim=1)
         shifted = torch.empty_like(logits) if out is None else out
-        torch.sub(logits, peak[:, None], out=shifted).exp_()
+        flushed_exp(torch.sub(logits, peak[:, None], out=shifted))
         return cls(top, peak.double(), shifted.sum(dim=1, dtype=torch.float64))
 
     def confidence(self) -> Tensor:
