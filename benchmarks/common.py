@@ -7,6 +7,7 @@ running a worker in a fresh subprocess so that peaks are per case.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -264,6 +265,22 @@ def clip_like(
     text = 0.8 * gap_txt + geo.text_class * classes + (0.5 + delta)[:, None] * gap_img
     text += geo.text_noise / d**0.5 * torch.randn(k, d, generator=g)
     return features, _unit(text), labels
+
+
+def imagenet_world_cli(
+    description: str,
+) -> tuple[argparse.Namespace, dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(args, machine info, features, prototypes, labels)``: the command line ``--device``,
+    ``--n`` (50,000), ``--repeats`` (3), and ``finalize.py``'s ImageNet-size world (K = 1,000,
+    d = 512) on that device (the labels stay on the CPU)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--n", type=int, default=50_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    info = machine_info(args.device)
+    x, z, labels = clip_like(args.n, 1000, 512)
+    return args, info, x.to(args.device), z.to(args.device), labels
 
 
 # ---------------------------------------------------------------- subprocess workers

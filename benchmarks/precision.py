@@ -15,7 +15,6 @@ largest logit, the predictions that change, the accuracy, tau_g and the wall tim
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import common
@@ -27,14 +26,7 @@ UNGUARDED = torch.no_grad()(fit_frolic.__wrapped__.__wrapped__)  # no_grad(ieee_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--n", type=int, default=50_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    info = common.machine_info(args.device)
-    x, z, labels = common.clip_like(args.n, 1000, 512)
-    x, z = x.to(args.device), z.to(args.device)
+    args, info, x, z, labels = common.imagenet_world_cli(__doc__.splitlines()[0])
     runs = {
         "highest": ("highest", fit_frolic),
         "high, guarded (shipped)": ("high", fit_frolic),

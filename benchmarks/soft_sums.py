@@ -16,7 +16,6 @@ float64 features (every step in float64).
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 
@@ -29,14 +28,7 @@ SHIPPED = frolic_tta.soft_sums.EXACT_SOFT_SUMS
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--n", type=int, default=50_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    info = common.machine_info(args.device)
-    x, z, labels = common.clip_like(args.n, 1000, 512)
-    x, z = x.to(args.device), z.to(args.device)
+    args, info, x, z, labels = common.imagenet_world_cli(__doc__.splitlines()[0])
 
     def fit(features, prototypes, chunk_size=None):
         return fit_frolic(
