@@ -16,8 +16,8 @@ per-class probability). Phases are timed exclusively through ``fit_frolic``'s pu
 N x K logits; :mod:`probe`); a ``TorchDispatchMode`` records the largest tensor any op creates
 and whether a (K, K) or a full (N, K) tensor appeared. "Extra memory" is the peak RSS during
 the phases minus the RSS before them (features, prototypes and output placeholders already
-allocated, as in the module; the module's ``torch.cat`` of its cached feature batches is
-inside).
+allocated, as in the module; the module copies each batch's features into one preallocated
+cache while encoding, so finalize concatenates nothing).
 ``reference`` is a straightforward float64 implementation of the paper's algorithm (Eq. 7 with
 ``torch.linalg.inv``, full N x K logits, bisection for tau_g, Algorithm 2 with hard labels and
 power iteration on a K x K matrix S), timed in the same run.
@@ -94,6 +94,7 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
 def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Probe) -> Any:
     """What FrolicModule does around the encoder, from cached features."""
     from frolic_tta.lightning.outcome import fill_outputs
+    from frolic_tta.logits import RowBuffer
     from frolic_tta.metrics import FrolicMoments
     from frolic_tta.pipeline import fit_frolic
 
@@ -107,14 +108,15 @@ def run_ours(x: torch.Tensor, z: torch.Tensor, case: dict[str, Any], probe: Prob
     if case["mode"] != "ours-nosums":  # the module: one update per encoded batch
         probe.push("moments")
         metric = FrolicMoments(z, TAU_C, keep_logits=case["keep_logits"]).to(x.device)
+        cache = RowBuffer(n)  # the module's feature cache, filled batch by batch
         for start in range(0, n, batch):
             metric.update(x[start : start + batch])
-        sums, kept = metric.compute(), metric.zero_shot_logits()
+            cache.append(x[start : start + batch])
+        sums, kept, x = metric.compute(), metric.zero_shot_logits(), cache.rows()
         probe.passes["moments"] += 1
         probe.pop()
     # else moment_sums on the whole shard, inside fit_frolic: in "head solve"
     probe.push("head solve")  # until fit_frolic reports its first phase (then progress hook)
-    x = torch.cat(list(x.split(batch)))  # the module's feature cache is a list of batches
     fit = fit_frolic(
         x,
         z,

@@ -106,3 +106,24 @@ def test_tau_g_from_the_summed_target_equals_the_streamed_one(world):
     streamed = fit_frolic(x, z, sums=replace(sums, zero_shot_deficit=None, zero_shot_margin=None))
     assert fit.head.tau_g == pytest.approx(streamed.head.tau_g, rel=1e-6)
     torch.testing.assert_close(fit.logits, streamed.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fill_output_copies_every_row_as_the_masked_path_writes_the_valid_ones(dtype):
+    from frolic_tta.lightning.outcome import fill_output, placeholders
+
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    logits[2, 1] = logits[2, 3] = logits[2].max() + 1.0  # a tie: the first index wins
+    index, every = torch.arange(6), torch.ones(6, dtype=torch.bool)
+    full = fill_output(placeholders(index, every, None, 5, True), logits)
+    some = every.clone()
+    some[[0, 4]] = False
+    part = fill_output(placeholders(index, some, None, 5, True), logits[some])
+    confidence, prediction = torch.softmax(logits.float(), 1).max(1)
+    assert torch.equal(full["prediction"], prediction) and full["prediction"][2] == 1
+    assert torch.equal(full["confidence"], confidence)
+    assert torch.equal(full["logits"], logits.float())
+    for key in ("prediction", "confidence", "logits"):
+        assert full[key].dtype == part[key].dtype
+        assert torch.equal(part[key][some], full[key][some])
+    assert (part["prediction"][~some] == -1).all() and part["confidence"][~some].isnan().all()

@@ -186,10 +186,14 @@ def fill_output(
     if probability is None:
         probability = torch.softmax(logits.float(), dim=1)
     confidence, prediction = probability.max(1)
-    output["prediction"][valid] = prediction.detach().cpu()
-    output["confidence"][valid] = confidence.detach().cpu().float()
-    if "logits" in output:
-        output["logits"][valid] = logits.detach().cpu().to(torch.float32)
+    values = {"prediction": prediction, "confidence": confidence, "logits": logits}
+    every = bool(valid.all())  # the usual batch: plain copies, no masked index_put
+    for key, value in values.items():
+        if key in output:
+            if every:
+                output[key].copy_(value.detach())
+            else:
+                output[key][valid] = value.detach().to(device="cpu", dtype=output[key].dtype)
     return output
 
 
