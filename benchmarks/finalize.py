@@ -1,7 +1,7 @@
 """Finalize cost from features (no encoder): wall time per phase, passes over N x K, peak memory.
 
-Run: ``python benchmarks/finalize.py`` (about 7 minutes on 2 CPU cores, 4 of them the 21k case;
-``--quick``: seconds).
+Run: ``python benchmarks/finalize.py`` (about 30 minutes on 2 CPU cores, 20 of them the 21k case
+at N = 30,000; ``--quick``: seconds).
 Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
 
 Every case runs in a fresh subprocess so its peak memory is its own; its timed run is repeated
@@ -79,12 +79,14 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
         case("ImageNet, ViT-B-16, fit_frolic(sums=None)", 50_000, 1_000, 512, "ours-nosums"),
         case("ImageNet, ViT-L-14", 50_000, 1_000, 768),
         case("separable geometry", 10_000, 1_000, 512, geometry="separable"),
+        # run at more samples than classes, as the full case has (a run at 10,000 < K was
+        # stopped unfinished after 19 min on 2026-11-26)
         case(
             "ImageNet-21k, streaming",
             200_000,
             21_841,
             512,
-            n_run=10_000,
+            n_run=30_000,
             chunk_size=1024,
             keep_logits=False,
         ),
@@ -292,7 +294,7 @@ def main() -> None:
         "--n21k",
         type=int,
         default=None,
-        help="N run for the 21k case (default 10,000; 200,000 = full, never completed here)",
+        help="N run for the 21k case (default 30,000; 200,000 = full, never completed here)",
     )
     parser.add_argument(
         "--only",
@@ -307,7 +309,7 @@ def main() -> None:
     parser.add_argument(
         "--case-timeout",
         type=float,
-        default=1800.0,
+        default=3600.0,
         help="seconds a case may take before it is stopped (the full 21k case needs hours on CPU)",
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
