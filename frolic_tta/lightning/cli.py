@@ -38,7 +38,6 @@ from lightning.pytorch.cli import (
     LightningCLI,
     SaveConfigCallback,
 )
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from frolic_tta.clip.loading import WeightsNotFoundError, check_tau_c
@@ -54,6 +53,7 @@ from frolic_tta.lightning.entry import (
     error_of_another_rank,
     leave_error,
     quiet_libraries,
+    report_error,
     unwritable_message,
 )
 from frolic_tta.lightning.module import FrolicModule
@@ -376,8 +376,8 @@ def main(args: ArgsType = None) -> None:
     fit) is printed as ``error: ...`` on stderr by rank 0 and exits with status 2, without a
     traceback. Under DDP a rank that raised alone leaves its message for rank 0
     (:mod:`~frolic_tta.lightning.entry`);
-    rank 0, whose collective then fails, prints that line instead of the collective's error,
-    and the other ranks exit with status 2 silently.
+    rank 0 prints that line as soon as it is left (or when its collective fails for it), and
+    the other ranks exit with status 2 silently.
     """
     quiet_libraries()
     with error_folder():
@@ -386,13 +386,12 @@ def main(args: ArgsType = None) -> None:
         except Exception as error:
             message = user_message(error)
             if message is not None:
-                leave_error(message)
+                leave_error(message)  # on another rank: until rank 0 has printed it
             else:
                 message = error_of_another_rank()
             if message is None:
                 raise
-            if rank_zero_only.rank == 0:
-                print(f"error: {message}", file=sys.stderr, flush=True)
+            report_error(message)
             sys.exit(2)
 
 

@@ -10,6 +10,15 @@ other processes (they inherit it). A rank with a user error leaves its message t
 (:func:`leave_error`); rank 0, whose collective then fails because that rank left, reads it
 (:func:`error_of_another_rank`) and prints it instead of the collective's error. Single node
 only: the folder is local.
+
+Rank 0 does not wait for its next collective to learn of it, though: Lightning's launcher in
+rank 0 checks its child processes every few seconds and kills every process, rank 0 included,
+once one has exited with an error, so a rank 0 still encoding its share would die without a
+word (found in ``tests/test_reuse_cli.py``: "terminated with code 2", no error line, exit
+-9). A thread of rank 0 (:func:`error_folder`) watches the folder, prints the first message
+left there, acknowledges it and exits with status 2; the rank that left it waits for that
+acknowledgement (:func:`wait_for_report`, bounded) before it exits, so it is alive while rank 0
+prints. :data:`REPORTING` and :data:`REPORTED` let only one thread of rank 0 print.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,11 +42,14 @@ from frolic_tta.errors import write_error
 
 __all__ = [
     "ERROR_DIR",
+    "REPORTING",
     "RUN",
     "error_folder",
     "error_of_another_rank",
     "leave_error",
     "quiet_libraries",
+    "report_error",
+    "wait_for_report",
 ]
 
 LIBRARIES = (
@@ -61,28 +75,85 @@ def unwritable_message(error: BaseException) -> str | None:
     return None
 
 
+REPORTING = threading.Lock()
+"""Taken by the thread of rank 0 that prints a user error; ``REPORTED`` says one was printed."""
+
+REPORTED = {"error": False}
+"""Whether this run (:func:`error_folder`) printed its user error line already."""
+
+ACKNOWLEDGED = "reported"
+"""The file rank 0 writes in :data:`ERROR_DIR` once it has printed another rank's error."""
+
+
 @contextmanager
-def error_folder() -> Iterator[None]:
-    """On rank 0 (and when no parent set one): a temporary :data:`ERROR_DIR`, removed after."""
-    created = None
+def error_folder(poll_s: float = 0.05) -> Iterator[None]:
+    """On rank 0 (and when no parent set one): a temporary :data:`ERROR_DIR`, removed after,
+    watched every ``poll_s`` seconds for another rank's error (module docstring)."""
+    created, REPORTED["error"] = None, False
     if rank_zero_only.rank == 0 and ERROR_DIR not in os.environ:
         created = os.environ[ERROR_DIR] = tempfile.mkdtemp(prefix="frolic-errors-")
+        done = threading.Event()
+        watch = threading.Thread(
+            target=_report_left_error, args=(Path(created), done, poll_s), daemon=True
+        )
+        watch.start()
     try:
         yield
     finally:
         if created is not None:
+            done.set()
+            watch.join()
             shutil.rmtree(created, ignore_errors=True)
             os.environ.pop(ERROR_DIR, None)
 
 
+def _report_left_error(folder: Path, done: threading.Event, poll_s: float) -> None:
+    """Rank 0's watch: print the first error another rank left, acknowledge it, exit with 2."""
+    while not done.wait(poll_s):
+        found = sorted(p for p in folder.glob("rank*.txt") if p.name != "rank0.txt")
+        if not found:
+            continue
+        with REPORTING:
+            if REPORTED["error"]:  # the main thread printed the run's error line
+                return
+            print(f"error: {found[0].read_text()}", file=sys.stderr, flush=True)
+            (folder / ACKNOWLEDGED).touch()
+            shutil.rmtree(folder, ignore_errors=True)
+            os._exit(2)  # the main thread may be deep in a collective or an encoder batch
+
+
+def wait_for_report(timeout_s: float = 10.0) -> None:
+    """On a rank that left its error: wait until rank 0 has printed it (at most ``timeout_s``),
+    so that Lightning's launcher does not kill rank 0 first."""
+    folder = os.environ.get(ERROR_DIR)
+    if not folder or rank_zero_only.rank == 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while Path(folder).is_dir() and not (Path(folder) / ACKNOWLEDGED).exists():
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+
+
 def leave_error(message: str) -> None:
-    """Leave this rank's user error in :data:`ERROR_DIR` (atomically) for rank 0."""
+    """Leave this rank's user error in :data:`ERROR_DIR` (atomically) for rank 0; on another
+    rank, wait until rank 0 has printed it (:func:`wait_for_report`)."""
     folder = os.environ.get(ERROR_DIR)
     if folder and Path(folder).is_dir():
         target = Path(folder) / f"rank{rank_zero_only.rank}.txt"
         temporary = target.with_suffix(".tmp")
         temporary.write_text(message)
         temporary.replace(target)
+        wait_for_report()
+
+
+def report_error(message: str) -> None:
+    """On rank 0: print ``message`` as the run's one ``error:`` line (:data:`REPORTING`: the
+    folder's watch may be printing another rank's)."""
+    if rank_zero_only.rank == 0:
+        with REPORTING:
+            REPORTED["error"] = True
+            print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def error_of_another_rank(wait_s: float = 5.0) -> str | None:
