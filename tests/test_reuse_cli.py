@@ -82,3 +82,27 @@ def test_ddp_error_of_one_rank_is_one_line_and_exit_2(tiny_clip, image_folder, t
     assert result.returncode == 2, result.stderr[-3000:]
     assert len(lines) == 1 and "max_skipped_fraction" in lines[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_rank_zero_prints_another_ranks_error_while_it_is_still_busy(tmp_path):
+    # the race behind an exit -9 without an error line: rank 1 left its error and exited while
+    # rank 0 was still at work, and Lightning's launcher killed rank 0 before it could print
+    import subprocess
+    import sys
+    import time
+
+    busy_rank_zero = (
+        "import os, pathlib, time\n"
+        "from frolic_tta.lightning.entry import ERROR_DIR, error_folder\n"
+        "with error_folder():\n"
+        "    folder = pathlib.Path(os.environ[ERROR_DIR])\n"
+        "    (folder / 'rank1.txt').write_text('rank 1 could not read its images')\n"
+        "    time.sleep(60)  # encoding its own share, far from any collective\n"
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", busy_rank_zero], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == ["error: rank 1 could not read its images"]
+    assert time.monotonic() - start < 30  # printed at once, not after the work
