@@ -424,9 +424,9 @@ def limits_note(over: dict[str, Any] | None, fin: dict[str, Any] | None) -> str:
             f"matmul plus softmaxes: ≈ {fmt(r['extrapolated']['finalize_s'] / 60)} min on 2 "
             f"cores, an **extrapolation** from a run at N = {c['n_run']:,}, not a measurement "
             f"(with {c['n_run'] / c['k']:.2g} samples per class there, the iteration counts at "
-            "N = 200,000 may differ: 94 EM passes on the H100, GPU table below). The full case "
-            "has never completed on this CPU: `python benchmarks/finalize.py --only 21k --n21k "
-            "200000` was stopped by the script's limit per case (then 30 minutes); add "
+            "N = 200,000 may differ: 94 test-prior passes on the H100, GPU table below). The "
+            "full case has never completed on this CPU: `python benchmarks/finalize.py --only 21k "
+            "--n21k 200000` was stopped by the script's limit per case (then 30 minutes); add "
             "`--case-timeout 14400` to let it run."
         )
         if r.get("rerun_stopped"):
@@ -460,8 +460,8 @@ GPU_NOTE = (
     "baseline, and cores used counts the host CPU. The paper options' β loop (Algorithm 2's "
     "hard labels and K×K power iterations, a host round trip per step) is the one phase slower "
     "than the float64 reference there. The full 21k case (N = 200,000, streamed in chunks of "
-    "1,024 rows) takes 32 s on an H100, 28 s of it the test prior: the mixture's EM needs 94 "
-    "passes there (87 in the CPU run at N = 30,000, 1.4 samples per class)."
+    "1,024 rows) takes 32 s on an H100, 28 s of it the test prior's 94 passes (87 in the CPU "
+    "run at N = 30,000, 1.4 samples per class)."
 )
 
 
