@@ -32,9 +32,11 @@ preconditioned with the diagonal curvature :math:`h_j` and Armijo backtracking: 
 logits and one ``reduce_fn`` call per trial point. Where hard posteriors couple the classes
 (a step no longer halves the gradient), it switches to Newton steps on the full Hessian
 :math:`H = \frac1N(\mathrm{diag}(m) - \sum_i q_i q_i^\top)` (a K x K sum from the same pass, one
-(K, N) x (N, K) product per chunk). Where :math:`J`'s change is below the float32 rounding of
-its sums, the projected gradient's L1 norm decides a step instead of Armijo's test, so the
-tolerance can be :math:`10^{-6}` (the same fixed point on any number of shards).
+(K, N) x (N, K) product per chunk; solved by a certified Cholesky factorisation, an
+eigendecomposition only where that fails: :mod:`frolic_tta.matching_newton`). Where
+:math:`J`'s change is below the float32 rounding of its sums, the projected gradient's L1 norm
+decides a step instead of Armijo's test, so the tolerance can be :math:`10^{-6}` (the same
+fixed point on any number of shards).
 Shapes: N samples, K classes.
 """
 
@@ -48,6 +50,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp, identity_reduce, workspace
+from frolic_tta.matching_newton import newton_direction
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
@@ -64,7 +67,7 @@ per-row log-partitions carry float32 rounding); there the projected gradient dec
 
 _FULL_HESSIAN_MAX_CLASSES = 4096
 """Above this K the matching keeps its diagonal steps (a K x K float64 Hessian would hold
-more than 128 MiB and its eigendecomposition take seconds per step)."""
+more than 128 MiB and its factorisation take seconds per step)."""
 
 _FLAT = 1e-3
 """Classes whose bias moves less than this much of one sample's mass (:math:`N h_j`) are flat:
@@ -215,39 +218,6 @@ def _sums(
     return _MassSums(count, log_partition, mass, curvature, products)
 
 
-def _newton_direction(sums: _MassSums, gradient: Tensor, free: Tensor) -> Tensor | None:
-    r"""The Newton direction :math:`H_{FF}^{+} g_F` on the free classes ``free`` (K,) bool.
-
-    :math:`H = (\mathrm{diag}(m) - \sum_i q_i q_i^\top)/N` is a graph Laplacian over the classes
-    (two classes are linked by the samples they share): singular along the constant vector of
-    every group of classes that shares no sample with the rest, directions in which :math:`J`
-    is flat or moves only through the classes left out of ``free``. The pseudo-inverse (its
-    eigenvalues below :math:`10^{-6}` of the largest dropped: the float32 sums round at about
-    :math:`10^{-7}`) steps in the others; in the null directions :math:`J` is linear, so the
-    gradient's part there (beyond :math:`10^{-6}` in L1) takes a step of 10 towards the bound.
-    ``None`` where :math:`H_{FF} = 0`.
-    """
-    n = float(sums.count)
-    # diag(m) from the row sums of sum_i q_i q_i^T (equal, as sum_j q_ij = 1): the rows of
-    # this H sum to 0 to float64 rounding, so its null directions stay null in float32 sums
-    hessian = (torch.diag(sums.outer.sum(1)) - sums.outer) / n
-    index = free.nonzero().squeeze(1)
-    values, vectors = torch.linalg.eigh(hessian[index][:, index])
-    if not float(values.max()) > 0.0:
-        return None
-    keep = values > 1e-6 * float(values.max())
-    basis, null = vectors[:, keep], vectors[:, ~keep]
-    direction = torch.zeros_like(gradient)
-    local = gradient[index]
-    direction[index] = basis @ ((basis.T @ local) / values[keep])
-    if bool(free.all()):  # J ignores the constant vector: no step along it
-        local = local - local.mean()
-    flat = null @ (null.T @ local)  # J is linear there: a step of 10 towards the bound
-    if float(flat.abs().sum()) > 1e-6:
-        direction[index] += flat * (10.0 / float(flat.abs().max()))
-    return direction
-
-
 def match_class_masses(
     source: LogitSource,
     target: Tensor | None = None,
@@ -312,7 +282,11 @@ def match_class_masses(
         # classes moved by less than one sample's mass (N h_j < 1) are flat: their Newton
         # steps would be rounding noise, so they take diagonal steps towards the bound
         free = ~blocked(b, gradient) & (sums.curvature >= _FLAT)
-        newton = _newton_direction(hessian, gradient, free) if bool(free.any()) else None
+        newton = (
+            newton_direction(hessian.outer, float(hessian.count), gradient, free)
+            if bool(free.any())
+            else None
+        )
         if newton is None or not bool(newton.isfinite().all()) or float(newton @ gradient) <= 0:
             return diagonal  # no factorisation or not a descent direction (rounding)
         newton = newton * min(1.0, 10.0 / float(newton.abs().max().clamp(min=1e-300)))
@@ -330,8 +304,10 @@ def match_class_masses(
     norm = float(projected(b, gradient).abs().sum())
     beta = torch.softmax(b, 0)
     step_size, evaluations, converged = 1.0, 1, False
+    direction: Tensor | None = None  # kept while a rejected step is retried shorter
     while evaluations < max_iter:
-        direction = search_direction(b, gradient, sums, hessian)
+        if direction is None:
+            direction = search_direction(b, gradient, sums, hessian)
         trial = b - step_size * direction
         # J ignores a constant added to b: where b's spread fits in the box, the least shift
         # that keeps it inside, so the gauge's drift never pushes a class into the bound
@@ -361,7 +337,7 @@ def match_class_masses(
             trial_sums,
             trial_norm,
         )
-        step_size = min(1.0, 2.0 * step_size)
+        step_size, direction = min(1.0, 2.0 * step_size), None
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
         beta = new
