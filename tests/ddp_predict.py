@@ -37,7 +37,11 @@ def main() -> None:
         templates=["a photo of a {}."],
         ablations=True,
         online=online,
-        options=FrolicOptions(head_labels=labels[0]) if labels else FrolicOptions(),
+        options=(  # tests/test_module.py's RAW_LABELS
+            FrolicOptions(head_labels=labels[0], solver={"eps": 1e-6})
+            if labels
+            else FrolicOptions()
+        ),
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -51,7 +51,7 @@ def test_non_finite_features_skip_one_sample_and_the_rest_equals_frolic(tiny_cli
     assert int(out["prediction"][7]) == -1 and bool(torch.isnan(out["logits"][7]).all())
     assert bool(torch.isfinite(out["logits"][keep]).all())
     features, prototypes = reference(tiny_clip, 40)
-    expected = frolic_tta.frolic(features[keep], prototypes, head_labels="zero_shot")
+    expected = frolic_tta.frolic(features[keep], prototypes, RAW_LABELS)
     assert_logits_close(out["logits"][keep], expected.logits)  # float32 noise of a NaN batch
     assert torch.equal(out["prediction"][keep], expected.logits.argmax(1))
     assert module.skipped_ == [{"index": 7, "reason": NON_FINITE}]
