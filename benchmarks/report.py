@@ -208,6 +208,17 @@ def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
             f"({fmt(r['extra_mib'])} MiB, of which the one N×K float32 logit buffer is "
             f"{fmt(r['nxk_float32_mib'])} MiB).",
         ]
+    few = next((e for e in p["cases"] if "N = 1,000 < K" in e["case"]["label"]), None)
+    if few:
+        r = few["result"]
+        lines.append(
+            f"Fewer samples than classes ({few['case']['label'].split(', ')[-1]}): hard "
+            "posteriors, so the class-mass matchings take Newton steps on the full K×K Hessian "
+            "(`frolic_tta/matching_newton.py`: a Cholesky factorisation and the trace of its "
+            "inverse per step, an eigendecomposition only where that certificate fails): a K³ "
+            f"term the passes do not show ({fmt(r['finalize_s'])} s for {r['passes_total']:.0f} "
+            "passes over 2M logits)."
+        )
     big = next((e for e in p["cases"] if "21k" in e["case"]["label"]), None)
     if big:
         r = big["result"]
