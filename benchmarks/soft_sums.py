@@ -1,17 +1,19 @@
-r"""What float64 soft sums would cost and buy at ImageNet size (the size rule of soft_sums.py).
+r"""What exact passes would cost and buy at ImageNet size (logits.exact_arithmetic's size rule).
 
 Run: ``python benchmarks/soft_sums.py --device cuda`` (seconds on a GPU; writes
 ``benchmarks/results/soft_sums_cuda.json``; on CPU ``soft_sums.json``, about 2 minutes).
 
-:func:`frolic_tta.soft_sums.posterior_sums` sums :math:`\sum_i q_i x_i^\top` as float64
-products only where :math:`N K d \le 2^{31}`; above it (ImageNet: 50,000 x 1,000 x 512 =
-2.6e10) as float32 products per row chunk, whose rounding depends on which rows share a chunk,
-as it does on how the test set is split over processes. On the ``finalize.py`` world this
-script fits with the rule as shipped and with float64 products forced (the constant raised),
-each at the default chunk size and at 777 rows per chunk (a split that shares no boundary with
-it), and reports the wall time (median of 3), how far the two chunkings' logits are apart
-(relative to the largest logit), the predictions that change, and the distance to a fit on
-float64 features (every step in float64).
+:func:`frolic_tta.logits.exact_arithmetic` makes the estimator's passes exact (float64 products
+rounded once, float64 sums over samples: the soft sums :math:`\sum_i q_i x_i^\top`, the head's
+logits, the matchings' and the mixture's column sums) only where :math:`N K d \le 2^{31}`; above
+it (ImageNet: 50,000 x 1,000 x 512 = 2.6e10) they are float32 per row chunk, whose rounding
+depends on which rows share a chunk, as it does on how the test set is split over processes.
+(Results recorded before 2026-11-27 forced the soft sums alone.) On the ``finalize.py`` world
+this script fits with the rule as shipped and with float64 products forced (the constant
+raised), each at the default chunk size and at 777 rows per chunk (a split that shares no
+boundary with it), and reports the wall time (median of 3), how far the two chunkings' logits
+are apart (relative to the largest logit), the predictions that change, and the distance to a
+fit on float64 features (every step in float64).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import statistics
 
 import common
 
-import frolic_tta.soft_sums
+import frolic_tta.logits
 from frolic_tta.pipeline import fit_frolic
 
-SHIPPED = frolic_tta.soft_sums.EXACT_SOFT_SUMS
+SHIPPED = frolic_tta.logits.EXACT_PRODUCTS
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     scale = float(reference.abs().max())
     results = {}
     for name, limit in (("size rule (shipped)", SHIPPED), ("float64 forced", math.inf)):
-        frolic_tta.soft_sums.EXACT_SOFT_SUMS = limit
+        frolic_tta.logits.EXACT_PRODUCTS = limit
         walls = []
         for _ in range(args.repeats):
             common.sync(args.device)
@@ -59,7 +61,7 @@ def main() -> None:
             "tau_g": out.head.tau_g,
         }
         print(name, results[name], flush=True)
-    frolic_tta.soft_sums.EXACT_SOFT_SUMS = SHIPPED
+    frolic_tta.logits.EXACT_PRODUCTS = SHIPPED
     payload = {"machine": common.finish_info(info), "n": args.n, "runs": results}
     suffix = "_cuda" if "cuda" in args.device else ""
     print(f"wrote {common.write_result('soft_sums' + suffix, payload).relative_to(common.ROOT)}")

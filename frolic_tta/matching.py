@@ -197,7 +197,8 @@ def _sums(
 
     One exponential per entry, in place, or none with ``exp`` (:class:`Exponentials`);
     column sums in the logits' dtype (pairwise, so their rounding stays far below the
-    tolerances), accumulated in float64.
+    tolerances), accumulated in float64; in float64 throughout where ``source.exact``
+    (:func:`~frolic_tta.logits.exact_arithmetic`).
     """
     k = shift.shape[0]
     count = torch.zeros((), dtype=torch.float64)
@@ -210,6 +211,8 @@ def _sums(
         posterior.div_(norm)
         count += posterior.shape[0]
         log_partition += float((top + norm.log()).sum(dtype=torch.float64))
+        if source.exact:  # sums over samples in float64: no rounding that follows the chunks
+            posterior = posterior.double()
         column = posterior.sum(0)
         mass += column.double().cpu()
         if products is not None:

@@ -127,6 +127,7 @@ def newton_weights(
     *,
     max_passes: int,
     below: float | None = None,
+    polish: bool = False,
 ) -> tuple[Tensor, Tensor, int, bool]:
     r"""mix-SQP on the mixture weights from ``pi`` ``(K,)`` (module docstring).
 
@@ -138,6 +139,9 @@ def newton_weights(
         max_passes: cap on passes (each one reduction).
         below: stop once :math:`\Lambda \le` ``below`` is certain (as in
             :func:`~frolic_tta.mixture.mixture_weights`).
+        polish: take one more Newton step once :data:`NEWTON_TOL` is reached: the steps
+            converge quadratically, so the point is then the maximiser up to rounding, not
+            wherever the path crossed the tolerance (the same on any number of shards).
 
     Returns:
         ``(pi (K,), [l(pi), l(1/K)], passes, converged)``: ``converged`` when the
@@ -169,13 +173,16 @@ def newton_weights(
         x = (1.0 - UNIFORM_MIX) * x + UNIFORM_MIX * support / support.sum()
         n, objective, likelihood, uniform, gradient, _, kkt = measure(x)
         passes += 1
+    polishing = False
     while passes < max_passes:
         gap = float(n) * max(kkt, 0.0)
         if below is not None and 2.0 * float(likelihood - uniform + gap) <= below:
             converged = True
             break
         if kkt <= NEWTON_TOL:
-            break
+            if not polish or polishing:
+                break
+            polishing = True  # one step past the tolerance
         columns = ((x > 0) | (gradient / n > 1.0)).nonzero().squeeze(1)
         if columns.numel() > MAX_COLUMNS:
             break
@@ -200,6 +207,9 @@ def newton_weights(
             passes += 1
             if float(measured[1]) <= float(objective) + 1e-4 * step * slope:
                 accepted = True
+                break
+            if polishing:  # within the tolerance F's change is rounding: the gap decides
+                accepted = measured[-1] <= kkt
                 break
             step /= 2.0
         if not accepted:  # no progress at this precision (flagged if above KKT_TOL)

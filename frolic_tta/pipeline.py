@@ -47,6 +47,7 @@ from frolic_tta.logits import (
     TensorLogits,
     chunk_rows,
     compute_dtype,
+    exact_arithmetic,
     fill,
     identity_reduce,
 )
@@ -176,12 +177,13 @@ def fit_frolic(
         sums = shard_moment_sums(features, prototypes, tau_c, chunk_size, made).reduce(reduce_fn)
         given = given if made is None else made
     report = progress or _silent
+    exact = exact_arithmetic(sums.count, k, features.shape[1])  # the same on every shard
     z = prototypes.to(torch.float64)
     scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))  # f_c / tau_c
-    zero_shot = scaled.source(features, chunk_size)
+    zero_shot = scaled.source(features, chunk_size, exact)
     if keep_logits:
         scratch = zero_shot_buffer(features, z, tau_c, chunk_size, given)
-        zero_shot, buffer = TensorLogits(scratch, chunk_size), _new_buffer(features, k)
+        zero_shot, buffer = TensorLogits(scratch, chunk_size, exact), _new_buffer(features, k)
     bound = options.solver.beta_ratio_bound
     box = None if bound is None else math.log(bound) / 2
     match = partial(
@@ -256,7 +258,7 @@ def fit_frolic(
         )
         z = prototypes.to(torch.float64)
         scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))
-        zero_shot = scaled.source(features, chunk_size)
+        zero_shot = scaled.source(features, chunk_size, exact)
         zero_shot = zero_shot if scratch is None else fill(scratch, zero_shot)
     report("temperature")
     summed = sums.zero_shot_deficit is not None and options.zero_shot != "inmap_both"
@@ -279,7 +281,7 @@ def fit_frolic(
             features, prototypes, fused, sums, options, reduce_fn, chunk_size, scratch, None
         )
         if scratch is not None:  # the scratch held the mixture's logits: f_c / tau_c again
-            zero_shot = fill(scratch, scaled.source(features, chunk_size))
+            zero_shot = fill(scratch, scaled.source(features, chunk_size, exact))
         bias = estimate.bias if options.bias == "soft" else None
     else:
         bias = None
@@ -346,9 +348,10 @@ def _fuse(
     :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
     in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
     recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand."""
-    gda = gaussian.gda().source(features, chunk_size)
+    exact = zero_shot.exact  # the fit's decision (:func:`~frolic_tta.logits.exact_arithmetic`)
+    gda = gaussian.gda().source(features, chunk_size, exact)
     if buffer is not None:
-        gda = TensorLogits(buffer, chunk_size) if filled else fill(buffer, gda)
+        gda = TensorLogits(buffer, chunk_size, exact) if filled else fill(buffer, gda)
     if options.fusion == "fixed":  # the released script's equal scales
         tau_g = tau_c
     else:
@@ -357,12 +360,13 @@ def _fuse(
         tau_g = match_temperature(gda, zero_shot, 1.0, **kwargs)
     weight = pool_weight(options.fusion)
     if buffer is None:
-        return tau_g, fused_map(z, gaussian, tau_c, tau_g, weight).source(features, chunk_size)
+        fused = fused_map(z, gaussian, tau_c, tau_g, weight)
+        return tau_g, fused.source(features, chunk_size, exact)
     for start, chunk in zero_shot.chunks():
         rows = buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
         if weight != 1.0:
             rows.mul_(weight)
-    return tau_g, TensorLogits(buffer, chunk_size)
+    return tau_g, TensorLogits(buffer, chunk_size, exact)
 
 
 def _confidence_target(sums: MomentSums) -> tuple[float, float, float]:

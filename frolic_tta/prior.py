@@ -176,7 +176,7 @@ def estimate_test_prior(
         refit = refitted_sums(sums, packed)
         head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
         fitted[:] = [head]  # only the last refit is kept
-        components: LogitSource = head.gda().source(features, chunk_size)
+        components: LogitSource = head.gda().source(features, chunk_size, source.exact)
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
         raw, ratio, inner, done = mixture_weights(

@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from frolic_tta.gda import MomentSums
-from frolic_tta.logits import LogitSource
+from frolic_tta.logits import EXACT_PRODUCTS, LogitSource, exact_arithmetic
 from frolic_tta.matching import Exponentials, unnormalised
 
-EXACT_SOFT_SUMS = 2.0**31
-"""Largest N K d whose soft sums are float64 (2.1e9 multiply-adds: about 0.06 s on 2 cores)."""
+EXACT_SOFT_SUMS = EXACT_PRODUCTS
+"""Largest N K d whose soft sums are float64 (:func:`~frolic_tta.logits.exact_arithmetic`)."""
 
 
 def posterior_sums(
@@ -50,7 +50,7 @@ def posterior_sums(
     N over all shards, which decides float64 products (:data:`EXACT_SOFT_SUMS`; ``None``:
     float32 products of float32 logits)."""
     k, d = source.num_classes, features.shape[1]
-    exact = total is not None and float(total) * k * d <= EXACT_SOFT_SUMS
+    exact = total is not None and exact_arithmetic(total, k, d)
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
     start = 0

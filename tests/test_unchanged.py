@@ -6,12 +6,22 @@ every Table 3/4 row's logits (40 samples) and metrics (all 600) on a 20-class lo
 world, and the prototypes encoded with prompt batches that straddle classes. Regenerate only
 on purpose:
 ``FROLIC_SAVE_UNCHANGED=1 python -m pytest tests/test_unchanged.py`` (then say why in the
-commit). The file records the torch version it was saved with: under another torch build the
-tiny encoder's float32 kernels differ (measured: 3e-5 of the logits' scale from torch 2.13 to
-2.14), and so do they with another thread count (1 against 2), so there the values are
-compared to 1e-4 of their scale instead of 1e-6. They were saved under Eq. 12's plain sum, the
-default before issue 15's pooled fusion, so they are computed with ``fusion="matched"``
-(:data:`SAVED_OPTIONS`): the file guards the restructuring, not the choice of default.
+commit).
+
+**The tolerance: 1e-4 of each value's scale, on every machine.** The file holds float32 results
+of a float32 encoder, and float32 arithmetic is not the same on every machine even with the same
+torch build: the matrix libraries pick their kernels by CPU model, not only by
+``ATEN_CPU_CAPABILITY`` (measured against the saved file on a 2-core AMD EPYC with AVX-512: 2e-6
+of the logits' scale and 1.3e-5 of the largest InMaP logit, so 1e-6 failed there under its
+AVX-512, AVX2 and portable kernels alike; 3e-5 from torch 2.13 to 2.14, and a thread count of 1
+against 2 moves them too). The comparison is meant to catch a change of behaviour, and the
+smallest one tried moves the values far more: ``solver.eps`` 0.01 -> 0.001 moves seven of them
+by more than 1e-4 of their scale (the world's Oracle logits by 3.6e-3, three of its accuracies
+by 1.5e-3). 1e-4 sits between the two, a factor of 8 above the one and 36 below the other; the
+module's predictions must also be the same (their rounding is far from any tie in this world).
+The values were saved under Eq. 12's plain sum, the default before issue 15's pooled fusion, so
+they are computed with ``fusion="matched"`` (:data:`SAVED_OPTIONS`): the file guards the
+restructuring, not the choice of default.
 """
 
 from __future__ import annotations
@@ -72,9 +82,10 @@ def test_logits_and_metrics_equal_the_saved_ones(tiny_clip, tiny_clip_loaded):
         torch.save({**values, **build}, SAVED)
         pytest.skip(f"saved {len(values)} values to {SAVED}")
     saved = torch.load(SAVED, weights_only=True)
-    same_torch = saved.pop("torch_version", None) == str(torch.__version__)
-    same_torch &= saved.pop("threads", None) == torch.get_num_threads()
+    saved.pop("torch_version", None), saved.pop("threads", None)  # what it was saved with
     assert sorted(values) == sorted(saved)
     for key, value in saved.items():
-        atol = 1e-6 if same_torch else 1e-4 * max(1.0, float(value.abs().max()))
+        atol = 1e-4 * max(1.0, float(value.abs().max()))  # the module docstring says why
         torch.testing.assert_close(values[key], value, rtol=0, atol=atol, msg=key)
+    predictions = saved["module/logits"].argmax(1)
+    assert torch.equal(values["module/logits"].argmax(1), predictions)
