@@ -58,6 +58,7 @@ from frolic_tta.options import (
     check_positive,
     check_shrinkage,
 )
+from frolic_tta.validation import check_invertible
 
 
 @dataclass
@@ -384,13 +385,7 @@ def fit_gaussian_head(
                 f"direction by {change:.2g})"
             )
     else:
-        solved, info = torch.linalg.solve_ex(sigma, centred)
-        if int(info) != 0:
-            raise FrolicInputError(
-                "Expected the Eq. 7 covariance to be invertible, but it is singular "
-                f"(LU pivot {int(info)} is zero: fewer samples than dimensions, or identical "
-                "features); use covariance='soft' (--model.options.covariance soft)"
-            )
-        weight = solved.t()
+        check_invertible(sigma)  # Eq. 7 is indefinite: invertible is all that can be asked
+        weight = torch.linalg.solve(sigma, centred).t()
     bias = -0.5 * (centred.t() * weight).sum(1)
     return GaussianHead(weight, bias, center, means, sigma, rho, weights)

@@ -57,7 +57,12 @@ from frolic_tta.precision import ieee_float32
 from frolic_tta.prior import HEAD_LABELS_EPS, Priors, fit_test_prior
 from frolic_tta.released import released_proxies
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
-from frolic_tta.validation import check_matrix, check_prototypes, check_samples_everywhere
+from frolic_tta.validation import (
+    check_matrix,
+    check_prototypes,
+    check_samples_everywhere,
+    warn_identical_prototypes,
+)
 
 
 def l2_normalize(tensor: Tensor) -> Tensor:
@@ -158,6 +163,7 @@ def fit_frolic(
     options = resolve_options(options, **overrides)
     tau_c = check_positive("tau_c", tau_c)
     check_prototypes(prototypes)  # identical on every shard: every shard raises or none
+    warn_identical_prototypes(prototypes, options.bias)
     # values are checked over all shards together (below), so no shard raises alone
     check_matrix("features", features, min_rows=0, cols=prototypes.shape[1], finite=False)
     reduce_fn = reduce_fn or identity_reduce
@@ -302,16 +308,8 @@ def fit_frolic(
         zero_shot_bias = match(
             zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
         )
-    head = FrolicHead(
-        z,
-        gaussian,
-        tau_c,
-        tau_g,
-        bias.beta,
-        test_prior,
-        zero_shot_bias.beta,
-        pool_weight(options.fusion),
-    )
+    weight = pool_weight(options.fusion)
+    head = FrolicHead(z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta, weight)
     if buffer is not None:  # f_f -> f_d
         buffer.add_(head.log_offset().to(buffer))
     priors = Priors(

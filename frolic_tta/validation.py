@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from frolic_tta.errors import FrolicInputError, warn
+
 if TYPE_CHECKING:
     from frolic_tta.gda import MomentSums
     from frolic_tta.logits import ReduceFn
@@ -50,6 +52,62 @@ def check_prototypes(prototypes: Tensor) -> None:
     check_matrix("prototypes", prototypes)
     if prototypes.shape[0] < 2:
         raise ValueError(f"Expected at least 2 classes (K >= 2), but got K={prototypes.shape[0]}")
+
+
+def identical_prototypes(prototypes: Tensor) -> list[tuple[int, int]]:
+    """Pairs ``(first, other)`` of classes whose prototypes ``(K, d)`` are the same row (one
+    sort of the rows, no K x K matrix), each ``other`` paired with the first of its twins."""
+    _, inverse = torch.unique(prototypes.detach(), dim=0, return_inverse=True)
+    first: dict[int, int] = {}
+    pairs = []
+    for index, group in enumerate(inverse.tolist()):
+        if group in first:
+            pairs.append((first[group], index))
+        else:
+            first[group] = index
+    return pairs
+
+
+def warn_identical_prototypes(prototypes: Tensor, bias: str) -> None:
+    """Warn where two classes have the same prototype row (:func:`identical_prototypes`); with
+    the hard pseudo-labels of ``bias`` ``"paper"`` or ``"released"`` the result then depends on
+    the classes' order (a tie's argmax is the first)."""
+    if not (twins := identical_prototypes(prototypes)):
+        return
+    first, other = twins[0]
+    message = (
+        f"classes {first} and {other} have identical prototypes ({len(twins)} such pair(s)): "
+        "no classifier can tell them apart"
+    )
+    if bias in ("paper", "released"):
+        message += (
+            f"; with bias={bias!r} (hard pseudo-labels) every tied sample goes to the first of "
+            "them, so the other classes' results depend on their order"
+        )
+    warn(message)
+
+
+def check_invertible(sigma: Tensor) -> None:
+    r"""Raise where Eq. 7's covariance ``(d, d)`` is numerically singular: its smallest
+    eigenvalue in magnitude at most :math:`d\,\epsilon` of its largest (NumPy's
+    ``matrix_rank`` tolerance, float64). Eq. 7 is indefinite on unit-norm features (trace 0),
+    so no positive-definiteness can be asked of it, only invertibility; an LU solve accepts
+    pivots of 1e-19 (N = 20 < d = 32: rank 18) and returns logits of 1e8 that follow the row
+    order. The decision is on reduced sums: every shard raises together.
+
+    Raises:
+        FrolicInputError: the covariance is singular (fewer samples than dimensions, or
+            identical features).
+    """
+    magnitudes = torch.linalg.eigvalsh(sigma).abs()
+    limit = sigma.shape[0] * torch.finfo(sigma.dtype).eps * float(magnitudes.max())
+    rank = int((magnitudes > limit).sum())
+    if rank < sigma.shape[0]:
+        raise FrolicInputError(
+            f"Expected the Eq. 7 covariance to be invertible, but it is singular (rank {rank} "
+            f"of {sigma.shape[0]}: fewer samples than dimensions, or identical features); use "
+            "covariance='soft' (--model.options.covariance soft)"
+        )
 
 
 def validate_inputs(

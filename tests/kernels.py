@@ -1,0 +1,74 @@
+"""Run the tests that compare numbers under every CPU kernel set this machine offers.
+
+``python tests/kernels.py`` (extra arguments go to pytest, e.g. ``-x`` or ``-k shard``).
+
+torch picks its vectorised CPU kernels (AVX-512, AVX2, the portable ones) by the CPU, and CI
+may run on any x86 machine: a tolerance that one kernel set breaks fails CI there. For each of
+``avx512``, ``avx2`` and ``default`` (``sve256`` on ARM) that torch accepts here, this runs the
+files of :data:`NUMERIC` with ``ATEN_CPU_CAPABILITY`` set to it, in a fresh process, and prints
+one line per kernel set; the exit status is 1 if any failed. A set the CPU lacks is reported
+as skipped (torch then falls back to another, which its own line covers). About 100 s per
+kernel set on 2 cores. The matrix libraries also choose kernels by CPU model, which no
+variable selects: this covers what one machine can, not every machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES = ("avx512", "avx2", "sve256", "default")
+NUMERIC = (
+    "tests/test_sharded_core.py",
+    "tests/test_unchanged.py",
+    "tests/test_numerics.py",
+    "tests/test_estimators.py",
+    "tests/test_test_prior.py",
+    "tests/test_matching.py",
+    "tests/test_matching_newton.py",
+    "tests/test_label_shift.py",
+    "tests/test_flushed_exp.py",
+    "tests/test_kept_logits.py",
+    "tests/test_confidence_sums.py",
+    "tests/test_inmap.py",
+    "tests/test_released.py",
+    "tests/test_online.py",
+    "tests/test_precision.py",
+    "tests/test_metrics.py",
+    "tests/test_store_moments.py",
+)
+"""Test files that compare numbers: against a float64 reference, saved values, or across
+shards, chunkings and processes."""
+
+
+def capability(name: str) -> str:
+    """The kernel set torch uses when ``ATEN_CPU_CAPABILITY`` is ``name`` (lower case)."""
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": name}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return done.stdout.strip().lower() if done.returncode == 0 else ""
+
+
+def main(arguments: list[str]) -> int:
+    results = []
+    for name in CANDIDATES:
+        used = capability(name)
+        if used != name:
+            results.append((name, f"skipped: this CPU does not offer it (torch uses {used!r})"))
+            continue
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": name}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NUMERIC]
+        print(f"== ATEN_CPU_CAPABILITY={name}", flush=True)
+        done = subprocess.run([*command, *arguments], env=env, cwd=ROOT)
+        results.append((name, "passed" if done.returncode == 0 else "FAILED"))
+    print()
+    for name, outcome in results:
+        print(f"ATEN_CPU_CAPABILITY={name}: {outcome}")
+    return 1 if any(outcome == "FAILED" for _, outcome in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
