@@ -137,7 +137,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         start = common.now()
         for rank in range(RANKS):
             index = torch.arange(rank, n, RANKS)
-            write_shard(folder, rank, index, features[index].to(dtype), labels[index])
+            write_shard(folder, rank, index, features[index].to(dtype), labels[index], key=KEY)
         write_manifest(folder, KEY, RANKS)
         write_s = common.now() - start
         add_store_moments(folder, prototypes, TAU_C)

@@ -202,7 +202,7 @@ class FeatureStoreWriter(Callback):
             )
         errors = [reason for p in parts for reason in p[3]]
         staging = self._staging
-        write_shard(staging, trainer.global_rank, index, features, labels, errors)
+        write_shard(staging, trainer.global_rank, index, features, labels, errors, key=self.key)
         trainer.strategy.barrier()  # every shard is on disk
         if trainer.is_global_zero:
             written_by = {
