@@ -22,6 +22,8 @@ from frolic_tta.data.store import (
     write_manifest,
     write_shard,
 )
+from frolic_tta.lightning.adaptation import FrolicAdaptation
+from frolic_tta.lightning.batch import FrolicBatch
 from frolic_tta.lightning.cli import main
 from frolic_tta.lightning.store import FeatureStoreWriter
 from tests.test_store import encoder_calls, read_run, store_args  # noqa: F401
@@ -91,7 +93,14 @@ def fake_trainer() -> SimpleNamespace:
         precision="32-true",
         accelerator=object(),
         strategy=strategy,
+        callbacks=[FrolicAdaptation(torch.eye(8))],  # never started: no moments to add
     )
+
+
+def read_batch(features: torch.Tensor) -> FrolicBatch:
+    """A batch as the adaptation hands it to the store writer."""
+    index, labels = torch.arange(4), torch.tensor([0, 1, 0, 1])
+    return FrolicBatch({}, features, index, torch.ones(4, dtype=torch.bool), labels, None, True)
 
 
 def test_two_runs_writing_one_store_never_mix(tmp_path):
@@ -106,13 +115,11 @@ def test_two_runs_writing_one_store_never_mix(tmp_path):
     for writer, _, trainer in runs.values():  # both start before either finishes
         writer.on_predict_start(trainer, None)
     for writer, features, trainer in runs.values():
-        module = SimpleNamespace(batch_features=features)
-        batch = {"index": torch.arange(4), "label": torch.tensor([0, 1, 0, 1])}
-        writer.on_predict_batch_end(trainer, module, None, batch, 0)
-    runs["a"][0].on_predict_epoch_end(runs["a"][2], SimpleNamespace(batch_features=runs["a"][1]))
+        writer.on_adaptation_batch(trainer, trainer.callbacks[0], read_batch(features))
+    runs["a"][0].on_predict_epoch_end(runs["a"][2], None)
     stored = load_store(store, {**KEY, "run": "a"})
     torch.testing.assert_close(stored.features, runs["a"][1])
-    runs["b"][0].on_predict_epoch_end(runs["b"][2], SimpleNamespace(batch_features=runs["b"][1]))
+    runs["b"][0].on_predict_epoch_end(runs["b"][2], None)
     stored = load_store(store, {**KEY, "run": "b"})  # b's features, whole, under b's key
     torch.testing.assert_close(stored.features, runs["b"][1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no private folder left
