@@ -361,7 +361,7 @@ def check_rows(rows: Sequence[str], options: FrolicOptions) -> list[str]:
         raise ValueError(f"Expected `rows` to be a list of row keys, but got the string {rows!r}")
     rows = list(rows)
     unknown = [r for r in rows if r not in ROWS or r in ("oracle", "f_d")]
-    unavailable = [r for r in rows if r in ROWS and not ROWS[r].available(2, False, options)]
+    unavailable = [r for r in rows if r not in unknown and not ROWS[r].available(2, False, options)]
     if unknown or unavailable:
         allowed = [r for r in ROWS if r not in ("oracle", "f_d")]
         raise ValueError(
