@@ -57,8 +57,8 @@ from frolic_tta.lightning.finalize import (
     FinalizeSettings,
     PredictRun,
     check_same_on_every_rank,
-    finalize,
 )
+from frolic_tta.lightning.finalize import finalize as fit_and_fill
 from frolic_tta.lightning.outcome import PredictOutcome, fill_output, placeholders, predict_loader
 from frolic_tta.lightning.store_sums import stored_sums
 from frolic_tta.metrics import FrolicMoments
@@ -260,9 +260,13 @@ class FrolicAdaptation(Callback):
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, AdaptationListener):
                 callback.on_adaptation_batch(trainer, self, read)
-        if not read.last:
-            return
-        device = pl_module.device.type
+        if read.last:
+            self.finalize(trainer)
+
+    def finalize(self, trainer: L.Trainer) -> None:
+        r"""After this rank's last batch: all-reduce, fit the head, :math:`\tau_g`,
+        :math:`\beta`, fill the outputs and set :attr:`outcome` (:mod:`.finalize`); a stored
+        head only sets the outcome."""
         if self.reuse_head:  # a stored head scored every batch: nothing to fit
             head = self.head
             assert head is not None  # checked at predict start
@@ -270,8 +274,8 @@ class FrolicAdaptation(Callback):
         elif self._run is not None and self._run.outputs:
             settings = FinalizeSettings(self.options, self.ablations, self.return_logits,
                                         self.chunk_size, self.rows)  # fmt: skip
-            with full_precision(device):
-                self.last_outcome = finalize(self._run, settings, trainer, self.reduce_sum)
+            with full_precision(self._run.prototypes.device.type):
+                self.last_outcome = fit_and_fill(self._run, settings, trainer, self.reduce_sum)
             self.head = self.last_outcome.head
 
     @override
