@@ -126,8 +126,8 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         # the CLI (and load_from_checkpoint) hand over a dict; hparams keep plain values
-        self.options = options if isinstance(options, FrolicOptions) else options_from_dict(options)
-        self.hparams["options"] = asdict(self.options)
+        options = options if isinstance(options, FrolicOptions) else options_from_dict(options)
+        self.hparams["options"] = asdict(options)
         fixed_tau_c = check_tau_c(tau_c)  # bad values fail before any weights load
         self.class_names = check_class_names(class_names)
         resolve_templates(templates)  # a bad key or file fails here, before any weights load
@@ -143,7 +143,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self.adaptation = FrolicAdaptation(
             encoded_prototypes,
             tau_c="module",
-            options=self.options,
+            options=options,
             class_names=self.class_names,
             ablations=ablations,
             return_logits=return_logits,
@@ -181,6 +181,15 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         if self.adaptation.last_outcome is None:
             raise RuntimeError("FrolicModule has no predict outcome yet: run trainer.predict")
         return self.adaptation.last_outcome
+
+    @property
+    def options(self) -> FrolicOptions:
+        """The estimator's options (the adaptation's)."""
+        return self.adaptation.options
+
+    @options.setter
+    def options(self, options: FrolicOptions) -> None:
+        self.adaptation.options = options
 
     @property
     def head(self) -> FrolicHead | None:
