@@ -57,12 +57,18 @@ class MemoryImages(Dataset):
 
 
 class ZeroShotModule(FrolicModule):
-    """Plain zero-shot CLIP on FrolicModule's encode path: softmax(f_c / tau_c), no finalize."""
+    """Plain zero-shot CLIP on FrolicModule's encode path: softmax(f_c / tau_c), no adaptation."""
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return []  # no FrolicAdaptation: nothing accumulated, nothing fitted
+
+    def on_predict_start(self) -> None:
+        self.zero_shot_prototypes = self.build_prototypes()
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         images, index, _, _ = unpack_batch(batch)
         features = self.encode_images(images)
-        logits = features @ self.prototypes_.t() / self.tau_c
+        logits = features @ self.zero_shot_prototypes.t() / self.tau_c
         n = features.shape[0]
         output = {
             "index": index.detach().cpu(),
@@ -72,14 +78,24 @@ class ZeroShotModule(FrolicModule):
         }
         return fill_output(output, logits)
 
-    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
 
 class TimedFrolic(FrolicModule):
     """FrolicModule with timers around the per-batch moment update and finalize."""
 
     seconds: dict[str, float]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        finalize = self.adaptation.finalize
+
+        def timed_finalize(trainer: L.Trainer) -> None:
+            common.sync(self.device)
+            start = common.now()
+            finalize(trainer)
+            common.sync(self.device)
+            self.seconds["finalize"] += common.now() - start
+
+        self.adaptation.finalize = timed_finalize  # type: ignore[method-assign]
 
     def on_predict_start(self) -> None:
         super().on_predict_start()
@@ -93,13 +109,6 @@ class TimedFrolic(FrolicModule):
             self.seconds["moments"] += common.now() - start
 
         self.moments.update = timed_update  # type: ignore[method-assign]
-
-    def finalize(self) -> None:
-        common.sync(self.device)
-        start = common.now()
-        super().finalize()
-        common.sync(self.device)
-        self.seconds["finalize"] += common.now() - start
 
 
 def predict(module: FrolicModule, loader: DataLoader, args: argparse.Namespace) -> float:

@@ -75,18 +75,23 @@ class GivenPrototypes(FrolicModule):
     loop_s: float = 0.0
     loop_start: float = 0.0
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        finalize = self.adaptation.finalize
+
+        def timed_finalize(trainer: L.Trainer) -> None:
+            start = common.now()
+            self.loop_s = start - self.loop_start  # batches, moment updates
+            finalize(trainer)
+            self.finalize_s = common.now() - start
+
+        self.adaptation.finalize = timed_finalize  # type: ignore[method-assign]
+
     def build_prototypes(self) -> Tensor:
         return self.prototypes_given
 
     def on_predict_start(self) -> None:
         self.loop_start = common.now()
-        super().on_predict_start()
-
-    def finalize(self) -> None:
-        start = common.now()
-        self.loop_s = start - self.loop_start  # prototypes, batches, moment updates
-        super().finalize()
-        self.finalize_s = common.now() - start
 
 
 def refit(
@@ -137,7 +142,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         start = common.now()
         for rank in range(RANKS):
             index = torch.arange(rank, n, RANKS)
-            write_shard(folder, rank, index, features[index].to(dtype), labels[index])
+            write_shard(folder, rank, index, features[index].to(dtype), labels[index], key=KEY)
         write_manifest(folder, KEY, RANKS)
         write_s = common.now() - start
         add_store_moments(folder, prototypes, TAU_C)

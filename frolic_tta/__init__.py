@@ -24,6 +24,7 @@ from frolic_tta.rows import ROWS, accuracy, tde_logits
 
 if TYPE_CHECKING:
     from frolic_tta.lightning import (
+        FrolicAdaptation,
         FrolicModule,
         FrolicPredictionWriter,
         FrolicReport,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from frolic_tta.metrics import FrolicMoments
 
 _LAZY = {
+    "FrolicAdaptation": "frolic_tta.lightning",
     "FrolicModule": "frolic_tta.lightning",
     "FrolicPredictionWriter": "frolic_tta.lightning",
     "FrolicReport": "frolic_tta.lightning",
@@ -50,6 +52,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ROWS",
     "AffineMap",
+    "FrolicAdaptation",
     "FrolicClassifier",
     "FrolicFit",
     "FrolicHead",

@@ -58,6 +58,7 @@ from frolic_tta.options import (
     check_positive,
     check_shrinkage,
 )
+from frolic_tta.shrinkage import oas_shrinkage, shrink
 from frolic_tta.validation import check_invertible
 
 
@@ -182,35 +183,6 @@ def moment_sums(
     )
 
 
-def oas_shrinkage(covariance: Tensor, num_samples: float) -> float:
-    r"""Oracle Approximating Shrinkage intensity, as scikit-learn's ``oas``.
-
-    .. math::
-        \rho = \min\!\Big(1, \frac{\alpha + \mu^2}{(N + 1)(\alpha - \mu^2/d)}\Big),\quad
-        \mu = \frac{\operatorname{tr}\Sigma}{d},\ \alpha = \operatorname{mean}(\Sigma^{\circ 2})
-
-    Args:
-        covariance: ``(d, d)`` empirical covariance.
-        num_samples: N.
-    """
-    d = covariance.shape[0]
-    mu = torch.diagonal(covariance).sum() / d
-    alpha = (covariance**2).mean()
-    den = (num_samples + 1.0) * (alpha - mu**2 / d)
-    if float(den) <= 0.0:
-        return 1.0
-    return float(torch.clamp((alpha + mu**2) / den, max=1.0))
-
-
-def shrink(covariance: Tensor, shrinkage: float) -> Tensor:
-    r""":math:`(1-\rho)\Sigma + \rho\,\frac{\operatorname{tr}\Sigma}{d} I`, ``(d, d)``."""
-    d = covariance.shape[0]
-    mu = torch.diagonal(covariance).sum() / d
-    shrunk = (1.0 - shrinkage) * covariance
-    shrunk.diagonal().add_(shrinkage * mu)
-    return shrunk
-
-
 @dataclass
 class GaussianHead:
     r"""A fitted label-free GDA head, float64.
@@ -258,7 +230,7 @@ def shared_covariance(
         sums: reduced :class:`MomentSums` of the whole dataset.
         prototypes: ``(K, d)``.
         covariance: ``"soft"`` (default) or ``"paper"`` (Eq. 7); ``"released"`` is
-            :func:`frolic_tta.released.released_gaussian` (:func:`fit_gaussian_head` only).
+            :func:`released_gaussian` (:func:`fit_gaussian_head` only).
         shrinkage: ``"auto"`` (OAS only if the scatter is numerically rank-deficient),
             ``"oas"``, a float in [0, 1], or ``None`` (``"soft"`` only).
 
@@ -337,6 +309,29 @@ def ridge_change(covariance: Tensor, centred: Tensor, weight: Tensor, ridge: flo
     return float((direction(weight) - direction(other)).norm())
 
 
+IDENTITY_WEIGHT = 0.9
+r"""The script's ``lamda``: :math:`\hat\Sigma = 0.9 I + 0.1\,\mathrm{diag}(v)`."""
+
+
+def released_gaussian(sums: MomentSums, prototypes: Tensor) -> GaussianHead:
+    r"""The released script's Gaussian head (``covariance="released"``, :mod:`frolic_tta.released`)
+    from the reduced ``sums`` and the ``prototypes`` ``(K, d)`` (the class means), centred like
+    :func:`fit_gaussian_head`'s."""
+    z = prototypes.to(device=sums.feature_sum.device, dtype=torch.float64)
+    k, d = z.shape
+    rows = float(sums.count) + k
+    total = sums.feature_sum + z.sum(0)
+    squares = torch.diagonal(sums.outer_sum) + (z * z).sum(0)
+    variance = (squares - total * total / rows) / (rows - 1.0)
+    diagonal = IDENTITY_WEIGHT + (1.0 - IDENTITY_WEIGHT) * variance
+    center = sums.feature_sum / sums.count
+    centred = z - center[None, :]
+    weight = centred / diagonal[None, :]
+    bias = -0.5 * (centred * weight).sum(1)
+    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64, device=z.device)
+    return GaussianHead(weight, bias, center, z, torch.diag(diagonal), IDENTITY_WEIGHT, uniform)
+
+
 def fit_gaussian_head(
     sums: MomentSums,
     prototypes: Tensor,
@@ -356,9 +351,7 @@ def fit_gaussian_head(
         ValueError: if the covariance is singular (``"paper"``) or not positive definite
             (``"soft"`` with ``shrinkage=None``).
     """
-    if covariance == "released":  # the authors' script; that module imports this one
-        from frolic_tta.released import released_gaussian
-
+    if covariance == "released":  # the authors' script (frolic_tta.released)
         return released_gaussian(sums, prototypes)
     sigma, means, weights, rho = shared_covariance(sums, prototypes, covariance, shrinkage)
     center = sums.feature_sum / sums.count

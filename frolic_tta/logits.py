@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.validation import check_matrix
+from frolic_tta.validation import check_matrix, identity_reduce  # noqa: F401 (its home was here)
 
 ReduceFn = Callable[[Tensor], Tensor]
 """Sums a tensor over all shards and returns the sum (must not be a mean)."""
@@ -55,11 +55,6 @@ def chunk_rows(num_classes: int, chunk_size: int | None = None) -> int:
             raise ValueError(f"Expected `chunk_size` >= 1, but got {chunk_size}")
         return int(chunk_size)
     return max(256, CHUNK_ELEMENTS // max(1, num_classes))
-
-
-def identity_reduce(tensor: Tensor) -> Tensor:
-    """The reduce function of a single process: returns its input."""
-    return tensor
 
 
 def compute_dtype(tensor: Tensor) -> torch.dtype:

@@ -3,10 +3,11 @@ r"""The authors' released method, as options of this package (:func:`~frolic_tta
 The paper's numbers come from ``main_zeroshot.py`` of github.com/zhuhsingyuu/Frolic, which
 computes something other than the paper's Algorithm 1 (:func:`~frolic_tta.paper_options`):
 
-1. **Gaussian head** (``covariance="released"``, :func:`released_gaussian`): the prototypes are
-   the class means (nothing is fitted to the images but a variance), and the shared covariance
-   is :math:`\hat\Sigma = 0.9 I + 0.1\,\mathrm{diag}(v)`, :math:`v` the unbiased per-dimension
-   variance of the images stacked with the prototypes (:math:`N + K` rows): the script's
+1. **Gaussian head** (``covariance="released"``, :func:`~frolic_tta.gda.released_gaussian`):
+   the prototypes are the class means (nothing is fitted to the images but a variance), and the
+   shared covariance is :math:`\hat\Sigma = 0.9 I + 0.1\,\mathrm{diag}(v)`, :math:`v` the
+   unbiased per-dimension variance of the images stacked with the prototypes (:math:`N + K`
+   rows): the script's
    ``(1 - 0.9) * cov(cat(test_features, llm_weights)) * eye + 0.9 * eye``.
 2. **Two InMaP classifiers** (``zero_shot="inmap_both"``, :func:`released_proxies`): InMaP's
    proxies (:mod:`frolic_tta.inmap`) learned twice from the text prototypes, once with the
@@ -41,35 +42,15 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import GaussianHead, MomentSums
+from frolic_tta.gda import GaussianHead
 from frolic_tta.inmap import fit_proxies, inmap_kwargs
 from frolic_tta.logits import DEFAULT_CHUNK_SIZE, LogitSource, ReduceFn, identity_reduce
 from frolic_tta.options import FrolicOptions
 
-IDENTITY_WEIGHT = 0.9
-r"""The script's ``lamda``: :math:`\hat\Sigma = 0.9 I + 0.1\,\mathrm{diag}(v)`."""
 PROBABILITY_FLOOR = 1e-12
 """Added to each round's stationary vector before the logarithm (the script's ``1e-12``)."""
 POWER_STEPS = 100
 """Cap on the steps of each round's power iteration (the script's ``max_iter``)."""
-
-
-def released_gaussian(sums: MomentSums, prototypes: Tensor) -> GaussianHead:
-    r"""The script's Gaussian head from the reduced ``sums`` and the ``prototypes`` ``(K, d)``
-    (the class means), centred like :func:`~frolic_tta.gda.fit_gaussian_head`'s."""
-    z = prototypes.to(device=sums.feature_sum.device, dtype=torch.float64)
-    k, d = z.shape
-    rows = float(sums.count) + k
-    total = sums.feature_sum + z.sum(0)
-    squares = torch.diagonal(sums.outer_sum) + (z * z).sum(0)
-    variance = (squares - total * total / rows) / (rows - 1.0)
-    diagonal = IDENTITY_WEIGHT + (1.0 - IDENTITY_WEIGHT) * variance
-    center = sums.feature_sum / sums.count
-    centred = z - center[None, :]
-    weight = centred / diagonal[None, :]
-    bias = -0.5 * (centred * weight).sum(1)
-    uniform = torch.full((k,), 1.0 / k, dtype=torch.float64, device=z.device)
-    return GaussianHead(weight, bias, center, z, torch.diag(diagonal), IDENTITY_WEIGHT, uniform)
 
 
 def released_proxies(

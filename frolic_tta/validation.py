@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from frolic_tta.logits import ReduceFn
 
 
+def identity_reduce(tensor: Tensor) -> Tensor:
+    """The reduce function of a single process: returns its input."""
+    return tensor
+
+
 def check_matrix(
     name: str, tensor: Tensor, *, min_rows: int = 1, cols: int | None = None, finite: bool = True
 ) -> None:
@@ -294,8 +299,6 @@ def check_samples_everywhere(
             ``sums`` of other shapes, empty, or whose count and feature sum contradict the
             features (all shards raise, so none is left waiting in a collective).
     """
-    from frolic_tta.logits import identity_reduce  # logits imports this module
-
     if sums is not None and prototypes is not None:
         check_sums_shapes(sums, prototypes)  # reduced sums: the same on every shard
     local = 0

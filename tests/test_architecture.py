@@ -134,7 +134,11 @@ def test_no_import_runs_back_up_and_no_callback_reads_the_module_with_getattr():
     for path in (PACKAGE / "data").glob("*.py"):  # data does not know the model's callbacks
         assert not any(m.startswith("frolic_tta.lightning") for m in _imports(path)), path.name
     seen = ("module", "pl_module", "trainer", "datamodule")
-    for name in ("report.py", "writer.py", "store.py", "online.py"):  # public names only
+    callbacks = ("report.py", "writer.py", "store.py", "online.py", "adaptation.py", "batch.py",
+                 "finalize.py", "outcome.py", "store_sums.py")  # fmt: skip
+    for name in callbacks:  # they read the adaptation, never the module's type
+        assert "frolic_tta.lightning.module" not in _imports(PACKAGE / "lightning" / name), name
+    for name in callbacks:  # public names only
         tree = ast.parse((PACKAGE / "lightning" / name).read_text(encoding="utf-8"))
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
         read = [
@@ -151,3 +155,60 @@ def test_no_import_runs_back_up_and_no_callback_reads_the_module_with_getattr():
             and isinstance(n.value, ast.Name) and n.value.id in seen
         ]  # fmt: skip
         assert read == [] and private == [], (name, read, private)
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The frolic_tta modules ``path`` imports when it runs (inside functions too; not the
+    ``if TYPE_CHECKING:`` blocks, which only annotate)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for statement in block.body
+        for n in ast.walk(statement)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("frolic_tta"):
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("frolic_tta")}
+    return names
+
+
+def test_no_import_circle_not_even_inside_functions():
+    # issue 37: gda -> released -> gda and lightning/module <-> lightning/store were held
+    # together by imports inside functions
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+
+    def resolve(name: str) -> str:  # "frolic_tta.gda.MomentSums" -> "frolic_tta.gda"
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {
+        name: {resolve(t) for t in _runtime_imports(path)} - {name, "frolic_tta"}
+        for name, path in modules.items()
+    }  # (the package's __init__ loads the Lightning names lazily, on first use)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                circles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []

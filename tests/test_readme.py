@@ -50,6 +50,10 @@ def test_links_between_pages_lead_to_a_file_and_heading():
     ids=[f"{page.name}:{code.splitlines()[0]}" for page, code, run in SNIPPETS if run],
 )
 def test_snippet_runs(page, code, tmp_path, monkeypatch):
+    if re.search(r"^(from|import) transformers\b", code, re.MULTILINE):  # the hf extra
+        pytest.importorskip(
+            "transformers", reason="transformers is not installed: pip install -e '.[hf]'"
+        )
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(page), "exec"), {"__name__": "__readme__"})
 

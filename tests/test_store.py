@@ -152,7 +152,7 @@ def write_three_ranks(folder: Path, dtype=torch.float32) -> tuple[torch.Tensor, 
     labels = torch.arange(10) % 4
     for rank in range(3):
         index = torch.arange(rank, 10, 3)
-        write_shard(folder, rank, index, features[index].to(dtype), labels[index])
+        write_shard(folder, rank, index, features[index].to(dtype), labels[index], key=KEY)
     write_manifest(folder, KEY, world_size=3)
     return features, labels
 
@@ -211,13 +211,15 @@ def test_missing_changed_or_incomplete_shards_are_refused(tmp_path):
 def test_unreadable_samples_and_partial_runs(tmp_path):
     features = torch.nn.functional.normalize(torch.randn(4, 3), dim=1)
     reasons = ["", "unreadable image: OSError: truncated", "", ""]
-    write_shard(tmp_path, 0, torch.arange(4), features, torch.tensor([0, -1, 1, 0]), reasons)
     key = {**KEY, "num_samples": 4}
+    labels = torch.tensor([0, -1, 1, 0])
+    write_shard(tmp_path, 0, torch.arange(4), features, labels, reasons, key=key)
     write_manifest(tmp_path, key, world_size=1)
     stored = load_store(tmp_path, key)
     assert stored.errors == reasons  # a refit skips the same samples as the run that encoded
     item = FeatureDataset(stored.features, stored.labels, stored.errors)[1]
     assert item["error"] == reasons[1] and item["label"] == -1
+    write_shard(tmp_path, 0, torch.arange(4), features, key={**KEY, "num_samples": 9})
     with pytest.raises(FeatureStoreError) as info:  # e.g. limit_predict_batches
         write_manifest(tmp_path, {**KEY, "num_samples": 9}, world_size=1)
     assert str(info.value) == (

@@ -108,7 +108,7 @@ def test_a_float16_store_keeps_the_sums_of_its_rounded_features_without_bad_samp
     # a sample whose image could not be read is left out, as FrolicModule leaves it out
     bad = tmp_path / "bad"
     errors = ["", "unreadable image: OSError"] + [""] * 8
-    write_shard(bad, 0, torch.arange(10), features, torch.arange(10) % 4, errors)
+    write_shard(bad, 0, torch.arange(10), features, torch.arange(10) % 4, errors, key=KEY)
     write_manifest(bad, KEY, world_size=1)
     add_store_moments(bad, prototypes, 0.05)
     kept = load_store(bad, KEY).moments.sums

@@ -22,6 +22,8 @@ from frolic_tta.data.store import (
     write_manifest,
     write_shard,
 )
+from frolic_tta.lightning.adaptation import FrolicAdaptation
+from frolic_tta.lightning.batch import FrolicBatch
 from frolic_tta.lightning.cli import main
 from frolic_tta.lightning.store import FeatureStoreWriter
 from tests.test_store import encoder_calls, read_run, store_args  # noqa: F401
@@ -91,7 +93,14 @@ def fake_trainer() -> SimpleNamespace:
         precision="32-true",
         accelerator=object(),
         strategy=strategy,
+        callbacks=[FrolicAdaptation(torch.eye(8))],  # never started: no moments to add
     )
+
+
+def read_batch(features: torch.Tensor) -> FrolicBatch:
+    """A batch as the adaptation hands it to the store writer."""
+    index, labels = torch.arange(4), torch.tensor([0, 1, 0, 1])
+    return FrolicBatch({}, features, index, torch.ones(4, dtype=torch.bool), labels, None, True)
 
 
 def test_two_runs_writing_one_store_never_mix(tmp_path):
@@ -106,13 +115,11 @@ def test_two_runs_writing_one_store_never_mix(tmp_path):
     for writer, _, trainer in runs.values():  # both start before either finishes
         writer.on_predict_start(trainer, None)
     for writer, features, trainer in runs.values():
-        module = SimpleNamespace(batch_features=features)
-        batch = {"index": torch.arange(4), "label": torch.tensor([0, 1, 0, 1])}
-        writer.on_predict_batch_end(trainer, module, None, batch, 0)
-    runs["a"][0].on_predict_epoch_end(runs["a"][2], SimpleNamespace(batch_features=runs["a"][1]))
+        writer.on_adaptation_batch(trainer, trainer.callbacks[0], read_batch(features))
+    runs["a"][0].on_predict_epoch_end(runs["a"][2], None)
     stored = load_store(store, {**KEY, "run": "a"})
     torch.testing.assert_close(stored.features, runs["a"][1])
-    runs["b"][0].on_predict_epoch_end(runs["b"][2], SimpleNamespace(batch_features=runs["b"][1]))
+    runs["b"][0].on_predict_epoch_end(runs["b"][2], None)
     stored = load_store(store, {**KEY, "run": "b"})  # b's features, whole, under b's key
     torch.testing.assert_close(stored.features, runs["b"][1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no private folder left
@@ -122,7 +129,8 @@ def test_two_runs_writing_one_store_never_mix(tmp_path):
 
 def test_a_manifest_shard_outside_the_store_is_refused(tmp_path):
     store = tmp_path / "store"
-    write_shard(store, 0, torch.arange(4), torch.nn.functional.normalize(torch.randn(4, 3), dim=1))
+    features = torch.nn.functional.normalize(torch.randn(4, 3), dim=1)
+    write_shard(store, 0, torch.arange(4), features, key=KEY)
     write_manifest(store, KEY, world_size=1)
     shutil.copy(store / "features_rank0.pt", tmp_path / "elsewhere.pt")
     manifest = json.loads((store / MANIFEST).read_text())
@@ -134,3 +142,29 @@ def test_a_manifest_shard_outside_the_store_is_refused(tmp_path):
         f"Expected the shards listed in the manifest.json of the feature store '{store}' to be "
         "files inside it, but it lists '../elsewhere.pt': delete the store and encode again"
     )
+
+
+def test_interleaved_writers_of_one_folder_never_vouch_for_each_other(tmp_path):
+    # issue 37: A's shard, B's shard, B's manifest, A's manifest in one folder. A's manifest
+    # hashed the shard that was there, B's, and a read with A's key returned B's features
+    store = tmp_path / "store"
+    features = {name: torch.nn.functional.normalize(torch.randn(4, 8), dim=1) for name in "ab"}
+    keys = {name: {**KEY, "run": name} for name in "ab"}
+    write_shard(store, 0, torch.arange(4), features["a"], key=keys["a"])
+    write_shard(store, 0, torch.arange(4), features["b"], key=keys["b"])
+    write_manifest(store, keys["b"], world_size=1)
+    with pytest.raises(FeatureStoreError) as info:  # A's manifest: a shard it did not write
+        write_manifest(store, keys["a"], world_size=1)
+    assert str(info.value) == (
+        f"Expected shard 'features_rank0.pt' in '{store}' to be written by this run, but it "
+        "holds the features of another (run: this run a, the shard b): two runs wrote one "
+        "store folder at once; write it again"
+    )
+    for verify in (True, False):  # A's key: A's features or an error, never B's
+        with pytest.raises(FeatureStoreError, match="run: this run a, the store b"):
+            load_store(store, keys["a"], verify=verify)
+    torch.testing.assert_close(load_store(store, keys["b"]).features, features["b"])
+    write_shard(store, 0, torch.arange(4), features["a"], key=keys["a"])  # after B's manifest
+    for verify in (True, False):  # B's manifest over A's shard: refused, also unverified
+        with pytest.raises(FeatureStoreError, match="'features_rank0.pt'"):
+            load_store(store, keys["b"], verify=verify)

@@ -69,23 +69,39 @@ class StoreRequest:
 
 
 class _IndexedDataModule(L.LightningDataModule):
-    """Shared loader logic: limit, transform resolution, predict/test loaders."""
+    """Shared loader logic: limit, transform resolution, feature store, predict/test loaders.
+
+    Args:
+        batch_size: Images per batch.
+        num_workers: DataLoader worker processes; ``None``: what the machine's CPUs allow
+            (:func:`default_num_workers`).
+        limit: Keep only this many samples (a seeded random subset, in order).
+        preprocess: Image transform; default: the LightningModule's ``.preprocess``.
+        class_names: Override (or, for images without labels, supply) the class names.
+        feature_store: Folder of a feature store: read it when it holds this run's features,
+            else encode and write it (see the module docstring).
+        feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
+        feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
+            (encode and replace it).
+        feature_store_verify: key the store by every image's content (SHA-256) instead of
+            its size and modification time (:mod:`frolic_tta.data.store_key`).
+        feature_batch_size: Stored features per batch when the store is read (no encoder runs:
+            large batches keep Lightning's per-batch overhead out of a refit).
+    """
 
     dataset_name: str = "custom"  #: the dataset's name in the report (set by subclasses)
     split_source: str | None = None  #: which split, in words (``None``: not known)
 
     def __init__(
         self,
-        source: Dataset,
-        class_names: list[str] | None,
-        labeled: bool,
-        batch_size: int,
-        num_workers: int | None,
-        limit: int | None,
-        preprocess: Callable[[Any], Any] | None,
+        batch_size: int = 64,
+        num_workers: int | None = None,
+        limit: int | None = None,
+        preprocess: Callable[[Any], Any] | None = None,
+        class_names: list[str] | None = None,
         feature_store: str | None = None,
-        feature_store_dtype: str = "float32",
-        feature_store_mode: str = "auto",
+        feature_store_dtype: StoreDtype = "float32",
+        feature_store_mode: StoreMode = "auto",
         feature_store_verify: bool = False,
         feature_batch_size: int = FEATURE_BATCH_SIZE,
     ) -> None:
@@ -118,11 +134,16 @@ class _IndexedDataModule(L.LightningDataModule):
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive integer or None, got {limit}")
         self.batch_size, self.num_workers, self.preprocess = batch_size, num_workers, preprocess
-        self.source = self._apply_limit(source, limit)
+        #: The class names: the user's ``class_names`` until a subclass sets its source.
+        self.class_names = check_class_names(class_names)
+        self.dataset: IndexedDataset | None = None
+
+    def _set_source(self, source: Dataset, class_names: list[str] | None, labeled: bool) -> None:
+        """The samples (``limit`` applied), their class names and whether they are labelled."""
+        self.source = self._apply_limit(source, self._limit)
         self.class_names = check_class_names(class_names)
         #: Whether batches carry a ``"label"`` entry.
         self.labeled = labeled
-        self.dataset: IndexedDataset | None = None
 
     @staticmethod
     def _apply_limit(source: Dataset, limit: int | None) -> Dataset:
@@ -284,21 +305,8 @@ class FrolicDataModule(_IndexedDataModule):
             it, CoOp's ``split_zhou_<Name>.json`` is used when it sits in the dataset's folder
             under ``root`` (see ``frolic_tta.data.splits``; ``split="all"`` skips it).
         image_dir: Folder the split file's paths are relative to (default: the file's folder).
-        batch_size: Images per batch.
-        num_workers: DataLoader worker processes; ``None``: what the machine's CPUs allow
-            (:func:`default_num_workers`).
-        limit: Keep only this many samples (a seeded random subset, in order).
-        preprocess: Image transform; default: the LightningModule's ``.preprocess``.
-        class_names: Override (or, for ``unlabeled``, supply) the class names.
-        feature_store: Folder of a feature store: read it when it holds this run's features,
-            else encode and write it (see the module docstring).
-        feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
-        feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
-            (encode and replace it).
-        feature_store_verify: key the store by every image's content (SHA-256) instead of
-            its size and modification time (:mod:`frolic_tta.data.store_key`).
-        feature_batch_size: Stored features per batch when the store is read (no encoder runs:
-            large batches keep Lightning's per-batch overhead out of a refit).
+        **kwargs: the loader and feature-store options of every Frolic datamodule (batch
+            size, workers, ``limit``, ``preprocess``, ``class_names``, ``feature_store``, ...).
     """
 
     def __init__(
@@ -309,30 +317,19 @@ class FrolicDataModule(_IndexedDataModule):
         download: bool = False,
         split_file: str | None = None,
         image_dir: str | None = None,
-        batch_size: int = 64,
-        num_workers: int | None = None,
-        limit: int | None = None,
-        preprocess: Callable[[Any], Any] | None = None,
-        class_names: list[str] | None = None,
-        feature_store: str | None = None,
-        feature_store_dtype: StoreDtype = "float32",
-        feature_store_mode: StoreMode = "auto",
-        feature_store_verify: bool = False,
-        feature_batch_size: int = FEATURE_BATCH_SIZE,
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         key = str(dataset).strip().lower()
         if key in ("folder", "unlabeled"):
-            source, names = _folder_source(root, key == "folder", class_names)
+            source, names = _folder_source(root, key == "folder", self.class_names)
             split_source = "all images"
         else:
             key = canonical_dataset_name(dataset)  # type: ignore[assignment]
             loaded = load_dataset(key, root, split, download, split_file, image_dir)
             source, split_source = loaded.dataset, loaded.split_source
-            names = override_class_names(class_names, loaded.class_names, f"dataset {key!r}")
-        labeled = key != "unlabeled"
-        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify,
-                 feature_batch_size)  # fmt: skip
-        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
+            names = override_class_names(self.class_names, loaded.class_names, f"dataset {key!r}")
+        self._set_source(source, names, labeled=key != "unlabeled")
         self.dataset_name = key
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
         self.split_source = split_source
@@ -345,42 +342,14 @@ class ImageFolderDataModule(_IndexedDataModule):
         root: The folder.
         labeled: ``True``: ``torchvision.datasets.ImageFolder`` (labels and class names from
             the sub-folders); ``False``: every image under ``root``, without labels.
-        batch_size: Images per batch.
-        num_workers: DataLoader worker processes; ``None``: what the machine's CPUs allow
-            (:func:`default_num_workers`).
-        limit: Keep only this many samples (a seeded random subset, in order).
-        preprocess: Image transform; default: the LightningModule's ``.preprocess``.
-        class_names: Override (or, when unlabelled, supply) the class names.
-        feature_store: Folder of a feature store: read it when it holds this run's features,
-            else encode and write it (see the module docstring).
-        feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
-        feature_store_mode: ``"auto"``, ``"read"`` (the store must exist) or ``"write"``
-            (encode and replace it).
-        feature_store_verify: key the store by every image's content (SHA-256) instead of
-            its size and modification time (:mod:`frolic_tta.data.store_key`).
-        feature_batch_size: Stored features per batch when the store is read (no encoder runs:
-            large batches keep Lightning's per-batch overhead out of a refit).
+        **kwargs: the loader and feature-store options of every Frolic datamodule (batch
+            size, workers, ``limit``, ``preprocess``, ``class_names``, ``feature_store``, ...).
     """
 
-    def __init__(
-        self,
-        root: str,
-        labeled: bool = True,
-        batch_size: int = 64,
-        num_workers: int | None = None,
-        limit: int | None = None,
-        preprocess: Callable[[Any], Any] | None = None,
-        class_names: list[str] | None = None,
-        feature_store: str | None = None,
-        feature_store_dtype: StoreDtype = "float32",
-        feature_store_mode: StoreMode = "auto",
-        feature_store_verify: bool = False,
-        feature_batch_size: int = FEATURE_BATCH_SIZE,
-    ) -> None:
-        source, names = _folder_source(root, labeled, class_names)
-        store = (feature_store, feature_store_dtype, feature_store_mode, feature_store_verify,
-                 feature_batch_size)  # fmt: skip
-        super().__init__(source, names, labeled, batch_size, num_workers, limit, preprocess, *store)
+    def __init__(self, root: str, labeled: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        source, names = _folder_source(root, labeled, self.class_names)
+        self._set_source(source, names, labeled)
         self.dataset_name = "folder" if labeled else "unlabeled"
         #: Which images were used, in words (written to ``metrics.json`` as ``"split"``).
         self.split_source = "all images"

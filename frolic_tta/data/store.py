@@ -21,6 +21,10 @@ outside the store) raises :class:`FeatureStoreError` with one sentence, and noth
 store (:func:`staging_dir`) and publishes it whole by renaming (:func:`publish`); an earlier
 store is moved aside first and deleted. A reader sees a complete store or none, never shards of
 two runs under one manifest; of two runs writing one store, the one that publishes last stays.
+Every shard records the key of the run that wrote it: a manifest vouches only for shards of its
+own key (:func:`write_manifest` refuses another run's), and a read refuses a shard whose key is
+not its manifest's, so two runs writing one folder directly (A's shard, B's shard, B's manifest,
+A's manifest) give A's key A's features or a :class:`FeatureStoreError`, never B's.
 
 Shapes: N samples, d embedding dim.
 """
@@ -95,14 +99,22 @@ def has_manifest(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / MANIFEST).is_file()
 
 
-def check_key(stored: dict[str, Any], expected: dict[str, Any], directory: Path) -> None:
-    """Raise :class:`FeatureStoreError` naming every field where ``stored`` differs."""
+def _key_diffs(stored: Any, expected: dict[str, Any], ours: str, theirs: str) -> list[str]:
+    """``"<field>: <ours> <value>, <theirs> <value>"`` for every field where the keys differ
+    (both compared as JSON, as the manifest keeps them)."""
+    stored = json.loads(json.dumps(stored)) if isinstance(stored, dict) else {}
+    expected = json.loads(json.dumps(expected))
     order = list(expected) + sorted(f for f in stored if f not in expected)
-    diffs = [
-        f"{f}: this run {short(expected.get(f))!s}, the store {short(stored.get(f))!s}"
+    return [
+        f"{f}: {ours} {short(expected.get(f))!s}, {theirs} {short(stored.get(f))!s}"
         for f in order
         if stored.get(f) != expected.get(f)
     ]
+
+
+def check_key(stored: dict[str, Any], expected: dict[str, Any], directory: Path) -> None:
+    """Raise :class:`FeatureStoreError` naming every field where ``stored`` differs."""
+    diffs = _key_diffs(stored, expected, "this run", "the store")
     if diffs:
         raise FeatureStoreError(
             f"Expected the feature store in '{directory}' to match this run, but it was written "
@@ -119,12 +131,16 @@ def write_shard(
     features: Tensor,
     labels: Tensor | None = None,
     errors: Sequence[str] | None = None,
+    *,
+    key: dict[str, Any],
 ) -> Path:
     """Save one rank's ``index`` ``(n,)``, ``features`` ``(n, d)``, ``labels`` ``(n,)`` and,
-    when any sample has one, the reason per sample it could not be read (``""``: read)."""
+    when any sample has one, the reason per sample it could not be read (``""``: read), with
+    the run's ``key`` (:func:`feature_key`): the manifest of another key does not vouch for it."""
     path = Path(directory) / shard_name(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     shard: dict[str, Any] = {"index": index.long().cpu(), "features": features.cpu()}
+    shard["key"] = json.loads(json.dumps(key))  # as the manifest keeps it
     if labels is not None:
         shard["label"] = labels.long().cpu()
     if errors is not None and any(errors):
@@ -142,15 +158,23 @@ def write_manifest(
     """Check the ``world_size`` shards, then write ``manifest.json`` (atomically, last).
 
     Raises:
-        FeatureStoreError: a shard is missing or unreadable, shards differ in d, or they hold
-            another number of samples than the key's ``num_samples`` (a run that saw part of
-            the data, e.g. with ``limit_predict_batches``, writes no store).
+        FeatureStoreError: a shard is missing, unreadable or written with another key (another
+            run wrote the folder at the same time), shards differ in d, or they hold another
+            number of samples than the key's ``num_samples`` (a run that saw part of the data,
+            e.g. with ``limit_predict_batches``, writes no store).
     """
     folder = Path(directory)
     shards, total, dim, dtype, labelled = [], 0, None, None, False
     for rank in range(world_size):
         path = folder / shard_name(rank)
         part = _load_shard(path, folder)
+        diffs = _key_diffs(part.get("key"), key, "this run", "the shard")
+        if diffs:
+            raise FeatureStoreError(
+                f"Expected shard '{path.name}' in '{folder}' to be written by this run, but it "
+                f"holds the features of another ({'; '.join(diffs)}): two runs wrote one store "
+                "folder at once; write it again"
+            )
         n, d = part["features"].shape
         if dim is not None and d != dim:
             raise FeatureStoreError(
@@ -297,8 +321,9 @@ def load_store(
             f"Expected the shards listed in the {MANIFEST} of the feature store '{folder}' to be "
             f"files inside it, but it lists {outside[0]!r}: delete the store and encode again"
         )
+    stored_key = manifest.get("key", {})
     if key is not None:
-        check_key(manifest.get("key", {}), key, folder)
+        check_key(stored_key, key, folder)
         if key.get("num_samples", n) != n:
             raise FeatureStoreError(
                 f"Expected {key['num_samples']} samples in the feature store '{folder}', but "
@@ -311,6 +336,14 @@ def load_store(
         if verify and path.is_file():
             check_listed(path, folder, size, sha, f"shard '{path.name}'")
         part = _load_shard(path, folder)
+        recorded = part.get("key")  # None: written before shards recorded their key
+        diffs = _key_diffs(recorded, stored_key, "the manifest", "the shard") if recorded else []
+        if diffs:
+            raise FeatureStoreError(
+                f"Expected shard '{path.name}' of the feature store '{folder}' to be written "
+                f"with the key of its {MANIFEST}, but it holds other features "
+                f"({'; '.join(diffs)}): delete the store and encode again"
+            )
         index = part["index"]
         if features is None:
             features = torch.empty(n, part["features"].shape[1], dtype=torch.float32)

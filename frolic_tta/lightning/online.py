@@ -1,11 +1,14 @@
-r"""``FrolicModule(online=True)``: every batch answered as it arrives (:mod:`frolic_tta.online`).
+r"""Online answers: every predict batch answered as it arrives (:mod:`frolic_tta.online`).
 
-The module attaches :class:`OnlineAnswers` itself (``configure_callbacks``), so the two-phase
-predict of :mod:`frolic_tta.lightning.module` is unchanged and its end-of-stream state (head,
-:math:`\tau_g`, priors, ``metrics_``, the final ``prediction``) is the transductive module's.
-After each ``predict_step`` the callback hands the batch's usable features (the tensor the
-module cached, no copy) to an :class:`~frolic_tta.online.OnlineFrolic` and writes into the
-batch's output dict, before anything else reads it:
+:class:`OnlineAnswers` is a callback beside
+:class:`~frolic_tta.lightning.adaptation.FrolicAdaptation` (``FrolicModule(online=True)``
+attaches it itself; with a module of your own, add both to the Trainer), so the transductive
+predict is unchanged and its end-of-stream state (head, :math:`\tau_g`, priors, metrics, the
+final ``prediction``) is the adaptation's. The adaptation hands it each batch it has read
+(:class:`~frolic_tta.lightning.adaptation.AdaptationListener`), before finalizing; it gives the
+batch's usable features (the tensor the adaptation cached, no copy) to an
+:class:`~frolic_tta.online.OnlineFrolic` and writes into the batch's output dict, before
+anything else reads it:
 
 * ``online_prediction``, ``online_confidence``: the answer given now (-1 / NaN for skipped
   samples), from the latest refit's :math:`f_d` or zero-shot before the first refit;
@@ -18,10 +21,10 @@ A batch-interval writer sees these at once; ``prediction``, ``logits`` and ``con
 filled after the rank's last batch with the transductive fit (the final pass re-scoring
 everything). **DDP:** each step all-reduces one float64 (this rank's usable samples); a rank
 with fewer batches (Lightning's predict sampler does not pad) takes empty steps after its last
-batch, before the module finalizes, so every rank calls the same collectives; a refit
+batch, before the adaptation finalizes, so every rank calls the same collectives; a refit
 all-reduces the running moment sums and runs :func:`~frolic_tta.pipeline.fit_frolic` through
-``trainer.strategy``. ``module.online_`` holds the refits and, with labels, the online,
-zero-shot and end-of-stream accuracies over all ranks.
+``trainer.strategy``. ``summary`` (``FrolicModule.online_``) holds the refits and, with labels,
+the online, zero-shot and end-of-stream accuracies over all ranks.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.errors import FrolicInputError
+from frolic_tta.lightning.adaptation import AdaptationListener, FrolicAdaptation, find_adaptation
+from frolic_tta.lightning.batch import FrolicBatch
 from frolic_tta.online import OnlineFrolic
 from frolic_tta.precision import full_precision
 
@@ -53,25 +58,21 @@ ONLINE_KEYS = (
 """Per-sample keys the callback adds to each batch's output."""
 
 
-class OnlineHooks:
-    """Mixin of :class:`~frolic_tta.FrolicModule`: attaches :class:`OnlineAnswers` when the
-    module was built with ``online=True``."""
-
-    def configure_callbacks(self) -> list[L.Callback]:
-        return [OnlineAnswers()] if self.hparams.get("online", False) else []  # type: ignore[attr-defined]
-
-
-class OnlineAnswers(L.Callback):
-    """Answers each predict batch of a :class:`~frolic_tta.FrolicModule` online (see module)."""
+class OnlineAnswers(AdaptationListener, L.Callback):
+    """Answers each predict batch online, beside a ``FrolicAdaptation`` (see module)."""
 
     def __init__(self) -> None:
         self.online: OnlineFrolic | None = None
         self.steps = 0
         self.outputs: list[dict[str, Tensor]] = []  # the batches' outputs, filled at the end
+        #: The refits and, with labels, the accuracies over all ranks (after predict).
+        self.summary: dict[str, Any] = {}
+        self._adaptation: FrolicAdaptation | None = None
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.reuse_head:
+        self._adaptation = adaptation = find_adaptation(trainer)
+        if adaptation.reuse_head:
             raise FrolicInputError(
                 "Expected `online`=False with a stored head (head_file or reuse_head): a stored "
                 "head is not adapted, so there is nothing to answer online"
@@ -80,31 +81,25 @@ class OnlineAnswers(L.Callback):
         self.steps = int(trainer.strategy.reduce(local, reduce_op="max").item())
         self.online = None
         self.outputs = []
-        pl_module.online_ = {}
+        self.summary = {}
 
     @override
-    def on_predict_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+    def on_adaptation_batch(
+        self, trainer: L.Trainer, adaptation: FrolicAdaptation, batch: FrolicBatch
     ) -> None:
-        module: Any = pl_module  # a FrolicModule: its public predict state, nothing private
         if self.online is None:
             self.online = OnlineFrolic(
-                module.prototypes_,
-                module.options,
-                tau_c=module.tau_c,
-                reduce_fn=module.reduce_sum,
-                chunk_size=module.hparams.chunk_size,
+                adaptation.prototypes_,
+                adaptation.options,
+                tau_c=adaptation.tau_c_,
+                reduce_fn=adaptation.reduce_sum,
+                chunk_size=adaptation.chunk_size,
             )
-        self.outputs.append(outputs)  # the module fills its end-of-stream predictions later
-        features = module.batch_features
-        with full_precision(module.device.type):
-            answer = self.online.step(features[outputs["valid"].to(features.device)])
+        outputs = batch.output
+        self.outputs.append(outputs)  # the adaptation fills its end-of-stream predictions later
+        features = batch.features
+        with full_precision(features.device.type):
+            answer = self.online.step(features[batch.valid.to(features.device)])
             fill(outputs, answer.logits, answer.zero_shot, answer.fallback)
             outputs.update(
                 {
@@ -116,14 +111,13 @@ class OnlineAnswers(L.Callback):
                     )
                 }
             )
-            if batch_idx == trainer.num_predict_batches[dataloader_idx] - 1:
+            if batch.last:
                 self.online.pad_to(self.steps)  # no rank leaves a collective waiting
 
     @override
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.online is None:
+        if self.online is None or self._adaptation is None:
             return
-        module: Any = pl_module
         outputs = self.outputs
         counts = torch.zeros(4, dtype=torch.float64)
         for output in outputs:
@@ -134,9 +128,9 @@ class OnlineAnswers(L.Callback):
             counts[0] += int(scored.sum())
             for i, key in enumerate(("online_prediction", "zero_shot_prediction", "prediction")):
                 counts[i + 1] += int((output[key][scored] == target[scored]).sum())
-        counts = module.reduce_sum(counts)
+        counts = self._adaptation.reduce_sum(counts)
         labelled = int(counts[0])
-        module.online_ = {
+        self.summary = {
             "steps": self.online.steps,
             "seen": self.online.seen,
             "refits": [asdict(r) for r in self.online.history],
@@ -144,9 +138,15 @@ class OnlineAnswers(L.Callback):
         }
         if labelled:
             names = ("online", "zero_shot", "end_of_stream")
-            module.online_["accuracy"] = {
+            self.summary["accuracy"] = {
                 n: float(c) / labelled for n, c in zip(names, counts[1:], strict=True)
             }
+
+
+def find_online(trainer: L.Trainer) -> OnlineAnswers | None:
+    """The Trainer's :class:`OnlineAnswers`, if any."""
+    found = [c for c in trainer.callbacks if isinstance(c, OnlineAnswers)]  # type: ignore[attr-defined]
+    return found[0] if found else None
 
 
 def fill(output: dict[str, Tensor], logits: Tensor, zero_shot: Tensor, fallback: Tensor) -> None:
@@ -172,11 +172,11 @@ def arrival_order(joined: dict[str, Any]) -> Tensor:
     return torch.argsort(key)
 
 
-def online_summary(joined: dict[str, Any], module: Any) -> dict[str, Any]:
+def online_summary(joined: dict[str, Any], answers: OnlineAnswers | None) -> dict[str, Any]:
     """The ``online`` section of ``metrics.json``: refits, and with labels the accuracy of the
     answers as they were made, of zero-shot and of the end-of-stream re-scoring (exact ratios
     over the labelled usable samples)."""
-    summary = dict(module.online_)
+    summary = {} if answers is None else dict(answers.summary)
     target = joined.get("target")
     if target is None:
         return summary

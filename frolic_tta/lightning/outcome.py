@@ -1,11 +1,13 @@
-r"""What a :class:`~frolic_tta.FrolicModule` predict leaves for its callbacks, and how it fills
-its outputs.
+r"""What a predict of :class:`~frolic_tta.lightning.adaptation.FrolicAdaptation` leaves for the
+other callbacks, and how it fills its outputs.
 
-The contract between the module and the callbacks that read it (:class:`FrolicReport`, the
-prediction writer): the module sets one frozen :class:`PredictOutcome` once per predict, at the
-end of finalize (a stored head: after its last batch), before any ``on_predict_epoch_end``; the
-callbacks read ``module.outcome`` and nothing else of the run. Per batch, a callback gets what it
-needs through its hook's arguments (``outputs``) or the module's public ``batch_features``.
+The contract between the adaptation and the callbacks that read it (:class:`FrolicReport`, the
+prediction writer): the adaptation sets one frozen :class:`PredictOutcome` once per predict, at
+the end of finalize (a stored head: after its last batch), before any ``on_predict_epoch_end``;
+the callbacks read ``adaptation.outcome`` and nothing else of the run. Per batch, a callback
+gets what it needs through its hook's arguments (``outputs``) or, as an
+:class:`~frolic_tta.lightning.adaptation.AdaptationListener`, the batch the adaptation read. A
+module may describe itself to the report (:class:`DescribesModel`).
 
 Also here, so that the module and the benchmarks share them: :func:`predict_loader` (the one
 predict DataLoader), :class:`RunCounts` (the counts all-reduced in one call) and
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -33,6 +35,8 @@ from frolic_tta.prior import Priors
 from frolic_tta.rows import RowContext, build_rows
 
 __all__ = [
+    "DescribesModel",
+    "ModelDescription",
     "PredictOutcome",
     "RunCounts",
     "evaluate_fit",
@@ -89,17 +93,44 @@ class PredictOutcome:
         return cls(head, stored_priors(head), False, partial, skipped=skipped)
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the report says about the model (:class:`DescribesModel`).
+
+    Attributes:
+        model_name: the encoder's name (``None``: the module's class name is used).
+        pretrained: its weights (a tag or a path), if any.
+        provenance: what a stored head remembers of encoder and prompts (:mod:`.provenance`).
+        images_encoded: images this rank's encoder ran on in the last predict (``None``: every
+            sample the adaptation read).
+    """
+
+    model_name: str | None = None
+    pretrained: str | None = None
+    provenance: dict[str, Any] | None = None
+    images_encoded: int | None = None
+
+
+@runtime_checkable
+class DescribesModel(Protocol):
+    """A LightningModule that tells the report about its model (``FrolicModule`` does)."""
+
+    def describe_model(self) -> ModelDescription: ...
+
+
 _EMPTY: dict[str, Any] = {"priors": None, "adapted": False, "partial": False, "skipped": []}
 
 
 def outcome_field(name: str) -> Any:
-    """A read-only attribute of the module: ``outcome.<name>``, empty until predict ends."""
+    """A read-only attribute of the module: ``adaptation.last_outcome.<name>``, empty until
+    predict ends."""
 
     def read(module: Any) -> Any:
-        if module._outcome is None:
+        outcome = module.adaptation.last_outcome
+        if outcome is None:
             empty = _EMPTY.get(name, {})
             return type(empty)(empty) if isinstance(empty, list | dict) else empty
-        return getattr(module._outcome, name)
+        return getattr(outcome, name)
 
     return property(read, doc=f"``outcome.{name}`` (:class:`PredictOutcome`).")
 

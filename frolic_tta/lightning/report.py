@@ -24,9 +24,11 @@ After the predict epoch, rank 0 joins the per-rank prediction files (written by 
   ``online_accuracy.png`` (:mod:`frolic_tta.lightning.online`).
 
 The terminal table is printed when the predict stage has ended (``teardown``), below the closed
-progress bar, not into it. What the run produced is read from the module's
-:class:`~frolic_tta.lightning.outcome.PredictOutcome` (``module.outcome``) and its public
-attributes (``class_names``, ``hparams``, ``options``, ``images_encoded``).
+progress bar, not into it. What the run produced is read from the Trainer's
+:class:`~frolic_tta.lightning.adaptation.FrolicAdaptation` (``FrolicModule``'s own, or one a
+module of your own is adapted with): its :class:`~frolic_tta.lightning.outcome.PredictOutcome`,
+``options`` and ``class_names``; the model's name, weights and provenance from a module that
+describes itself (:class:`~frolic_tta.lightning.outcome.DescribesModel`), else its class name.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.data.indexed import DataDescription, DescribesData, dataset_paths
-from frolic_tta.lightning.module import FrolicModule
-from frolic_tta.lightning.online import online_summary, plot_online, write_online_csv
-from frolic_tta.lightning.outcome import predict_loader
+from frolic_tta.lightning.adaptation import FrolicAdaptation, find_adaptation
+from frolic_tta.lightning.batch import row_key
+from frolic_tta.lightning.online import find_online, online_summary, plot_online, write_online_csv
+from frolic_tta.lightning.outcome import DescribesModel, ModelDescription, predict_loader
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.summary_table import format_table, short_name
@@ -71,10 +74,18 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def _frolic(module: L.LightningModule) -> FrolicModule:
-    if not isinstance(module, FrolicModule):
-        raise ValueError(f"Expected a FrolicModule, but got {type(module).__name__}")
-    return module
+def _describe(module: L.LightningModule) -> ModelDescription:
+    """The module's own description, else one naming its class."""
+    if isinstance(module, DescribesModel):
+        return module.describe_model()
+    return ModelDescription(model_name=type(module).__name__)
+
+
+def _class_names(adaptation: FrolicAdaptation) -> list[str]:
+    """The adaptation's class names, else ``"0"``, ``"1"``, ... for its K classes."""
+    if adaptation.class_names is not None:
+        return list(adaptation.class_names)
+    return [str(k) for k in range(adaptation.outcome.head.prototypes.shape[0])]
 
 
 class FrolicReport(FrolicPredictionWriter):
@@ -120,7 +131,8 @@ class FrolicReport(FrolicPredictionWriter):
 
     @override
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        encoded = torch.tensor(_frolic(pl_module).images_encoded)
+        seen = _describe(pl_module).images_encoded
+        encoded = torch.tensor(find_adaptation(trainer).samples_seen if seen is None else seen)
         encoded = trainer.strategy.reduce(encoded.to(pl_module.device), reduce_op="sum")
         self.images_encoded = int(encoded.item())  # over all ranks (0: a feature store's)
         trainer.strategy.barrier()  # every rank's file is written
@@ -140,32 +152,33 @@ class FrolicReport(FrolicPredictionWriter):
 
     # ------------------------------------------------------------------ writing
     def write(self, trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Any]) -> None:
-        """Write every report file from the joined predictions and the module's outcome."""
-        module = _frolic(module)
-        outcome = module.outcome
+        """Write every report file from the joined predictions and the adaptation's outcome."""
+        adaptation = find_adaptation(trainer)
+        model = _describe(module)
+        outcome = adaptation.outcome
         out = self.report_dir
         out.mkdir(parents=True, exist_ok=True)
-        names = list(module.class_names)
+        names = _class_names(adaptation)
         data = described_data(trainer)
         paths = data.paths
-        self._write_csv(out / "predictions.csv", joined, names, paths)
+        self._write_csv(out / "predictions.csv", joined, names, paths, adaptation.rows)
         save_file({**joined, "class_names": names}, out / "logits.pt")
         save_file(
             {
                 "frolic_head": _cpu(outcome.head.state_dict()),
                 "classifier": _cpu(outcome.head.to_module().state_dict()),
                 "class_names": names,
-                PROVENANCE: module.provenance(),
+                PROVENANCE: model.provenance,
             },
             out / "head.pt",
         )
-        self.summary = self._summary(trainer, module, joined, names, data)
+        self.summary = self._summary(trainer, adaptation, model, joined, names, data)
         encoded = self.images_encoded
         self.summary["features"] = data.feature_source
-        self.summary["images_encoded"] = module.images_encoded if encoded is None else encoded
-        online = "online_step" in joined  # FrolicModule(online=True)
+        self.summary["images_encoded"] = model.images_encoded if encoded is None else encoded
+        online = "online_step" in joined  # OnlineAnswers (FrolicModule(online=True))
         if online:
-            self.summary["online"] = online_summary(joined, module)
+            self.summary["online"] = online_summary(joined, find_online(trainer))
             write_online_csv(out / "online.csv", joined, names)
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         probability = outcome.class_probability
@@ -182,7 +195,11 @@ class FrolicReport(FrolicPredictionWriter):
 
     @staticmethod
     def _write_csv(
-        path: Path, joined: dict[str, Any], names: list[str], paths: list[str] | None
+        path: Path,
+        joined: dict[str, Any],
+        names: list[str],
+        paths: list[str] | None,
+        rows: tuple[str, ...] = (),
     ) -> None:
         has_target = "target" in joined
         n = joined["index"].numel()
@@ -192,36 +209,38 @@ class FrolicReport(FrolicPredictionWriter):
         with path.open("w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             header = ["index", "path", "prediction", "confidence"]
-            writer.writerow(header + (["target"] if has_target else []) + ["skipped"])
-            rows = zip(
+            extra = [row_key(r) for r in rows]  # the requested Table 3/4 rows' predictions
+            writer.writerow(header + (["target"] if has_target else []) + ["skipped"] + extra)
+            lines = zip(
                 joined["index"].tolist(),
                 joined["prediction"].tolist(),
                 joined["confidence"].tolist(),
                 valid,
                 targets,
+                zip(*(joined[key].tolist() for key in extra), strict=True) if extra else [()] * n,
                 strict=True,
             )
-            for index, prediction, confidence, ok, target in rows:
+            for index, prediction, confidence, ok, target, more in lines:
                 row = [index, paths[index] if paths is not None else ""]
                 row += [names[prediction], f"{confidence:.6f}"] if ok else ["", ""]
                 if has_target:
                     row.append(names[target] if target >= 0 else "")
                 row.append("" if ok else reasons.get(index, "skipped"))
-                writer.writerow(row)
+                writer.writerow(row + [names[m] if ok else "" for m in more])
 
     @staticmethod
     def _summary(
         trainer: L.Trainer,
-        module: FrolicModule,
+        adaptation: FrolicAdaptation,
+        model: ModelDescription,
         joined: dict[str, Any],
         names: list[str],
         data: DataDescription,
     ) -> dict[str, Any]:
         paths = data.paths
-        outcome = module.outcome
+        outcome = adaptation.outcome
         head = outcome.head
         summary = outcome.priors.summary()
-        hparams = module.hparams
         n = int(joined["index"].numel())
         valid = joined.get("valid", torch.ones(n, dtype=torch.bool))
         target = joined.get("target", torch.full((n,), -1))
@@ -251,13 +270,12 @@ class FrolicReport(FrolicPredictionWriter):
         ]
         length = len(predict_loader(trainer).dataset)
         probability = outcome.class_probability
-        brings_weights = str(hparams.get("model_name")).startswith(("hf-hub:", "local-dir:"))
         return {
             "dataset": data.dataset_name,
             "split": data.split_source,
-            "model": short_name(hparams.get("model_name")),
-            "model_name": hparams.get("model_name"),
-            "pretrained": None if brings_weights else hparams.get("pretrained"),
+            "model": short_name(model.model_name),
+            "model_name": model.model_name,
+            "pretrained": model.pretrained,
             "num_samples": n,
             "dataset_length": length,
             "num_classes": len(names),
@@ -266,14 +284,14 @@ class FrolicReport(FrolicPredictionWriter):
             "num_evaluated": num_evaluated,
             "accuracy": accuracy,
             **scores,
-            "options": asdict(module.options),
+            "options": asdict(adaptation.options),
             "adapted": outcome.adapted,
             "moments_from_store": outcome.moments_from_store,
             "tau_c": float(head.tau_c),
             "tau_g": float(head.tau_g),
             **{key: value for key, value in summary.items() if key != "per_class"},
             "skipped": skipped,
-            "notes": _notes(joined, n, length, len(skipped), num_evaluated, module),
+            "notes": _notes(joined, n, length, len(skipped), num_evaluated, adaptation),
             "per_class": {
                 "class_names": names,
                 **summary["per_class"],
@@ -309,7 +327,7 @@ def _notes(
     length: int,
     skipped: int,
     evaluated: int,
-    module: FrolicModule,
+    adaptation: FrolicAdaptation,
 ) -> list[str]:
     """What a reader of the numbers must know: partial run, stored head, skipped samples."""
     notes = []
@@ -318,7 +336,7 @@ def _notes(
             f"partial run: the Trainer stopped after some batches (limit_predict_batches / "
             f"fast_dev_run); adapted on and predicted {n} of {length} samples"
         )
-    zero_shot = module.options.zero_shot
+    zero_shot = adaptation.options.zero_shot
     if zero_shot == "inmap":
         notes.append("zero-shot classifier: InMaP's proxies (f_c is InMaP, f_d InMaP + Frolic)")
     if zero_shot == "inmap_both":
@@ -326,7 +344,7 @@ def _notes(
             "the released script: f_c and f_g are InMaP proxies supervised by the text and by "
             "the Gaussian head"
         )
-    if not module.outcome.adapted:
+    if not adaptation.outcome.adapted:
         notes.append("scored with a stored head (head_file / reuse_head): no adaptation")
     if skipped:
         notes.append(

@@ -1,8 +1,10 @@
 """FeatureStoreWriter: save the image features of a predict run as a feature store.
 
-Every rank keeps the features ``FrolicModule.predict_step`` encodes (its public
-``batch_features``; any LightningModule that sets it, :class:`FeatureSource`), with the batch's
-global ``index`` and ``label``; after the epoch each rank writes its shard into this
+Every rank keeps the features :class:`~frolic_tta.lightning.adaptation.FrolicAdaptation` read
+from each batch (it hands them over as an
+:class:`~frolic_tta.lightning.adaptation.AdaptationListener`: ``FrolicModule``'s or any
+module's that returns features), with the batch's global ``index`` and ``label``; after the
+epoch each rank writes its shard into this
 run's private folder (:func:`~frolic_tta.data.store.staging_dir`, named by rank 0 and
 broadcast), all ranks meet at a barrier, and rank 0 checks the shards, writes the manifest and
 publishes the folder as the store by renaming it (an interrupted run leaves no store that could
@@ -16,9 +18,8 @@ reads a store instead. For a DataLoader of your own, add ``FeatureStoreWriter(di
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import lightning as L
 import open_clip
@@ -31,7 +32,6 @@ from typing_extensions import override
 from frolic_tta.data.datamodules import FrolicDataModule, ImageFolderDataModule, StoreRequest
 from frolic_tta.data.store import (
     DTYPES,
-    FeatureDataset,
     FeatureStoreError,
     load_store,
     publish,
@@ -39,17 +39,12 @@ from frolic_tta.data.store import (
     write_manifest,
     write_shard,
 )
-from frolic_tta.data.store_moments import same_samples, write_moments
+from frolic_tta.data.store_moments import write_moments
 from frolic_tta.gda import MomentSums
+from frolic_tta.lightning.adaptation import AdaptationListener, FrolicAdaptation, find_adaptation
+from frolic_tta.lightning.batch import FrolicBatch
 from frolic_tta.lightning.samples import sample_validity
 from frolic_tta.pipeline import shard_moment_sums
-
-
-@runtime_checkable
-class FeatureSource(Protocol):
-    """A LightningModule whose ``predict_step`` sets ``batch_features`` ``(n, d)``."""
-
-    batch_features: Tensor | None
 
 
 def writes_store(datamodule: Any) -> bool:
@@ -77,33 +72,7 @@ def add_store_moments(
     write_moments(directory, values, prototypes, tau_c)
 
 
-def stored_sums(dataset: Any, prototypes: Tensor, tau_c: float) -> dict[str, Tensor] | None:
-    """A feature store's sums for ``prototypes`` (bitwise) and ``tau_c``, when ``dataset`` is
-    a :class:`~frolic_tta.data.store.FeatureDataset` that has them, else ``None``."""
-    moments = dataset.moments if isinstance(dataset, FeatureDataset) else None
-    return None if moments is None else moments.for_run(prototypes, tau_c)
-
-
-def checked_sums(
-    computed: MomentSums,
-    stored: dict[str, Tensor] | None,
-    say: Callable[[str], None] | None = None,
-) -> MomentSums | None:
-    r"""The sums finalize fits with: ``computed`` (the run's reduced sums) when nothing is
-    ``stored``; else ``stored`` as :class:`~frolic_tta.gda.MomentSums` on ``computed``'s
-    device where the run's N and :math:`\sum_i x_i` are theirs, or ``None`` (the fit computes
-    every sum: a run over part of the store, other samples), saying so."""
-    if stored is None:
-        return computed
-    if same_samples(computed.count, computed.feature_sum, stored):
-        device = computed.count.device
-        return MomentSums(**{name: value.to(device) for name, value in stored.items()})
-    if say is not None:
-        say("moments: the feature store's are not of this run's samples; computing them")
-    return None
-
-
-class FeatureStoreWriter(Callback):
+class FeatureStoreWriter(AdaptationListener, Callback):
     """Write ``features_rank{r}.pt`` per rank and ``manifest.json`` after a predict epoch.
 
     Args:
@@ -155,32 +124,19 @@ class FeatureStoreWriter(Callback):
             shutil.rmtree(self._staging, ignore_errors=True)
 
     @override
-    def on_predict_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+    def on_adaptation_batch(
+        self, trainer: L.Trainer, adaptation: FrolicAdaptation, batch: FrolicBatch
     ) -> None:
         if self._staging is None:
             return
-        features = pl_module.batch_features if isinstance(pl_module, FeatureSource) else None
-        if features is None:
-            raise ValueError(
-                "Expected the LightningModule to set `batch_features` in predict_step (as "
-                f"FrolicModule does), but {type(pl_module).__name__} has none"
-            )
-        self._dim = features.shape[-1]
-        index, labels = torch.as_tensor(batch["index"]).cpu(), batch.get("label")
-        errors = batch.get("error")  # why an image could not be read ("": it was)
+        self._dim = batch.features.shape[-1]
+        errors = batch.errors  # why an image could not be read ("": it was)
         self._parts.append(
             (
-                index,
-                features.detach().to("cpu", DTYPES[self.dtype]),
-                None if labels is None else torch.as_tensor(labels).cpu(),
-                [""] * len(index) if errors is None else [str(e) for e in errors],
+                batch.index,
+                batch.features.detach().to("cpu", DTYPES[self.dtype]),
+                batch.labels,
+                [""] * len(batch.index) if errors is None else errors,
             )
         )
 
@@ -202,7 +158,7 @@ class FeatureStoreWriter(Callback):
             )
         errors = [reason for p in parts for reason in p[3]]
         staging = self._staging
-        write_shard(staging, trainer.global_rank, index, features, labels, errors)
+        write_shard(staging, trainer.global_rank, index, features, labels, errors, key=self.key)
         trainer.strategy.barrier()  # every shard is on disk
         if trainer.is_global_zero:
             written_by = {
@@ -212,7 +168,7 @@ class FeatureStoreWriter(Callback):
             }
             try:
                 write_manifest(staging, self.key, trainer.world_size, written_by)
-                self._add_moments(staging, pl_module)
+                self._add_moments(staging, find_adaptation(trainer))
                 publish(staging, self.directory)
             except FeatureStoreError as error:  # e.g. limit_predict_batches: part of the data
                 rank_zero_warn(f"No feature store written: {error}")
@@ -220,14 +176,12 @@ class FeatureStoreWriter(Callback):
                 shutil.rmtree(staging, ignore_errors=True)  # gone when published
         trainer.strategy.barrier()
 
-    def _add_moments(self, staging: Path, pl_module: L.LightningModule) -> None:
-        """A FrolicModule's run: its moment sums (float32: the run's own; float16: from the
-        rounded store) go with the store."""
-        from frolic_tta.lightning.module import FrolicModule  # the module registers us
-
-        if not isinstance(pl_module, FrolicModule) or pl_module.prototypes_ is None:
+    def _add_moments(self, staging: Path, adaptation: FrolicAdaptation) -> None:
+        """An adapted run's moment sums (float32: the run's own; float16: from the rounded
+        store) go with the store."""
+        if adaptation.prototypes_ is None or adaptation.tau_c_ is None:
             return
-        sums = pl_module.outcome.moments if self.dtype == "float32" else None
+        sums = adaptation.outcome.moments if self.dtype == "float32" else None
         if sums is None and self.dtype == "float32":
             return
-        add_store_moments(staging, pl_module.prototypes_, pl_module.tau_c, sums)
+        add_store_moments(staging, adaptation.prototypes_, adaptation.tau_c_, sums)

@@ -13,8 +13,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.errors import FrolicInputError, write_error
-from frolic_tta.lightning.module import FrolicModule
+from frolic_tta.lightning.adaptation import find_adaptation
+from frolic_tta.lightning.batch import row_key
 from frolic_tta.lightning.online import ONLINE_KEYS
+from frolic_tta.rows import ROWS
 
 
 def save_file(obj: Any, path: str | Path) -> None:
@@ -26,7 +28,8 @@ def save_file(obj: Any, path: str | Path) -> None:
         raise FrolicInputError(write_error(path, error)) from None
 
 
-KEYS = ("index", "valid", "prediction", "confidence", "logits", "target", *ONLINE_KEYS)
+KEYS = ("index", "valid", "prediction", "confidence", "logits", "target", *ONLINE_KEYS,
+        *(row_key(row) for row in ROWS))  # fmt: skip
 FILL = {"target": -1, "valid": True}
 """Value of a per-sample key that some batches (or ranks) lack: no label, not skipped."""
 
@@ -49,8 +52,8 @@ def _concat(parts: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
 
 
 def concat_outputs(outputs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Concatenate per-batch FrolicModule outputs key by key (``target`` -1 where a batch had
-    no labels)."""
+    """Concatenate per-batch outputs of a Frolic predict key by key (``target`` -1 where a
+    batch had no labels)."""
     return _concat(list(outputs)) if outputs else {}
 
 
@@ -59,14 +62,15 @@ class FrolicPredictionWriter(BasePredictionWriter):
 
     Each file holds the concatenated ``index`` (global dataset index), ``valid`` (False for a
     skipped sample), ``prediction``, ``confidence``, ``logits`` (if returned) and ``target`` (if
-    labelled; -1 for a sample without label), plus ``skipped`` (index and reason) and
-    ``partial`` (the Trainer limited the batches), both from the module's
-    :class:`~frolic_tta.lightning.outcome.PredictOutcome`.
+    labelled; -1 for a sample without label), the requested rows' ``prediction/<row>``, plus
+    ``skipped`` (index and reason) and ``partial`` (the Trainer limited the batches), both
+    from the :class:`~frolic_tta.lightning.outcome.PredictOutcome` of the Trainer's
+    :class:`~frolic_tta.lightning.adaptation.FrolicAdaptation` (``FrolicModule``'s or yours).
     :func:`join_predictions` merges the files of a (multi-node) job and checks that every index
     appears exactly once.
 
-    Epoch interval only: FrolicModule's outputs are final once the rank's last batch has been
-    finalized, which is before any ``on_predict_epoch_end``; a batch-interval writer would see
+    Epoch interval only: the outputs are final once the rank's last batch has been finalized,
+    which is before any ``on_predict_epoch_end``; a batch-interval writer would see
     placeholders (NaN logits, prediction -1).
 
     Args:
@@ -94,9 +98,7 @@ class FrolicPredictionWriter(BasePredictionWriter):
         )
         merged: dict[str, Any] = concat_outputs(list(outputs))
         merged["world_size"] = torch.tensor(trainer.world_size)
-        if not isinstance(pl_module, FrolicModule):
-            raise ValueError(f"Expected a FrolicModule, but got {type(pl_module).__name__}")
-        outcome = pl_module.outcome
+        outcome = find_adaptation(trainer).outcome
         merged["skipped"], merged["partial"] = list(outcome.skipped), outcome.partial
         save_file(merged, self.output_dir / f"predictions_rank{trainer.global_rank}.pt")
 
