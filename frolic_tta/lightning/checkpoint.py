@@ -21,7 +21,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from frolic_tta.clip.loading import load_open_clip, load_open_clip_architecture
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.data.class_names import class_key, same_classes
+from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.provenance import check_provenance, encoder_identity, prompts_sha256
@@ -178,23 +179,75 @@ def restore_clip_weights(checkpoint: dict[str, Any], clip: torch.nn.Module) -> N
         state.update({CLIP_PREFIX + k: v for k, v in clip.state_dict().items()})
 
 
+PER_CLASS = ("prototypes", "weight", "bias", "class_means", "class_weights", "beta",
+             "test_prior", "zero_shot_beta")  # fmt: skip
+"""The entries of ``FrolicHead.state_dict()`` with one row per class (the rest is shared)."""
+
+
+def permute_head(head: FrolicHead, order: list[int]) -> FrolicHead:
+    """``head`` with its classes in ``order`` (class ``j`` of the result is class ``order[j]``
+    of ``head``): logits ``head.score(x)[:, order]``, exactly."""
+    index = torch.tensor(order, dtype=torch.long)
+    state = head.state_dict()
+    for key in PER_CLASS:
+        if isinstance(state.get(key), Tensor):
+            state[key] = state[key].index_select(0, index.to(state[key].device))
+    return FrolicHead.from_state_dict(state)
+
+
+def _difference(given: list[str], stored: list[str]) -> str:
+    keys = {class_key(name) for name in stored}
+    extra = [name for name in given if class_key(name) not in keys]
+    keys = {class_key(name) for name in given}
+    missing = [name for name in stored if class_key(name) not in keys]
+    parts = [f"not in the head: {', '.join(extra[:8])}"] if extra else []
+    parts += [f"not in the data: {', '.join(missing[:8])}"] if missing else []
+    return "; ".join(parts) or "a class named twice"
+
+
 def head_class_names(
-    head: FrolicHead, given: list[str] | None, stored: list[str] | None
-) -> list[str]:
-    """The class names to use with a stored head: ``given`` if any, else ``stored``.
+    head: FrolicHead, given: list[str] | None, stored: list[str] | None, source: str = "head file"
+) -> tuple[FrolicHead, list[str], list[str] | None]:
+    """The stored head for the classes ``given`` (the data's): ``(head, class names, the given
+    names in the head's order)``.
+
+    ``given`` names the head's classes in any order (matched by name, as
+    :func:`~frolic_tta.data.class_names.same_classes`): the head is permuted into the given
+    order, with a warning. Without ``given``, the stored names; a head that records none is used
+    by position.
 
     Raises:
-        FrolicInputError: none known, a count other than the head's K, or ``given`` differs
-            from the names stored with the head.
+        FrolicInputError: no names known, a count other than the head's K, or the given names
+            are not the head's classes.
     """
     k = head.prototypes.shape[0]
-    names = given if given is not None else stored
-    if names is None or len(names) != k or (stored is not None and names != stored):
+    if given is None or stored is None:
+        names = given if given is not None else stored
+        if names is None or len(names) != k:
+            raise FrolicInputError(
+                f"Expected {k} class names for the {k} classes of the {source}, but got "
+                f"{names!r:.200}"
+            )
+        return head, list(names), None
+    if given == stored:
+        return head, list(given), None
+    order = same_classes(given, stored)
+    if order is None:
         raise FrolicInputError(
-            f"Expected `class_names` to be the {k} classes of the head file, in its order "
-            f"({stored!r:.200}), but got {given!r:.200}"
+            f"Expected the data's classes to be the {k} classes of the {source} "
+            f"({', '.join(stored[:8])}{', ...' if k > 8 else ''}) in any order, but they are "
+            f"{len(given)} other ones ({_difference(given, stored)}): score data of the head's "
+            "classes, or adapt to these data without --model.head_file"
         )
-    return list(names)
+    inverse = [0] * k
+    for j, i in enumerate(order):
+        inverse[i] = j
+    if order != list(range(k)):
+        warn(
+            f"The {source}'s classes ({', '.join(stored[:8])}{', ...' if k > 8 else ''}) are "
+            "matched to the data's classes by name and put in the data's order"
+        )
+    return permute_head(head, order), list(given), [given[inverse[i]] for i in range(k)]
 
 
 def check_head_dim(head: FrolicHead | None, clip: torch.nn.Module, model_name: str) -> None:
@@ -217,10 +270,10 @@ class CheckpointHooks:
     class_names: list[str] | None
     encoder_: dict[str, Any] | None
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self, class_names: list[str] | None = None) -> dict[str, Any]:
         """What the head is fitted with (:mod:`.provenance`): ``encoder``, ``class_names``,
-        ``prompts_sha256``."""
-        names, hp = self.class_names, self.hparams
+        ``prompts_sha256`` (of ``class_names`` if given: a stored head's own order)."""
+        names, hp = class_names or self.class_names, self.hparams
         digest = prompts_sha256(names, hp.templates, hp.prompts_file) if names else None
         return {"encoder": self.encoder_, "class_names": names, "prompts_sha256": digest}
 

@@ -160,9 +160,10 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         samples.check_sizes(text_batch_size, chunk_size, self.class_names)
         stored = ckpt.read_stored_head(head_file) if head_file is not None else None
         self.head: FrolicHead | None = None if stored is None else stored.head
-        if stored is not None:
-            names = ckpt.head_class_names(self.head, self.class_names, stored.class_names)
-            self.class_names = names
+        if stored is not None:  # matched to the given classes by name, in their order
+            self.head, self.class_names, order = ckpt.head_class_names(
+                stored.head, self.class_names, stored.class_names
+            )
         self.reuse_head = reuse_head or head_file is not None
         self.clip, self.preprocess, self.tokenizer, self.encoder_ = ckpt.load_clip(
             model_name, pretrained, stored, save_clip_weights and ckpt.loading_checkpoint()
@@ -170,9 +171,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
         ckpt.check_head_dim(self.head, self.clip, model_name)
         if stored is not None:
-            source = f"`head_file` '{head_file}'"
-            mismatch = allow_head_mismatch
-            check_provenance(stored.provenance, self.provenance(), source, allow_mismatch=mismatch)
+            source, mine = f"`head_file` '{head_file}'", self.provenance(order)  # the head's order
+            check_provenance(stored.provenance, mine, source, allow_mismatch=allow_head_mismatch)
         self.images_encoded = 0
         self.online_: dict[str, Any] = {}  #: online answers' summary (``OnlineAnswers`` sets it)
         self._reset()
