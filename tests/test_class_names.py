@@ -153,5 +153,5 @@ def test_a_head_for_other_classes_is_one_line(tiny_clip, image_folder, fitted_he
                         two / name)  # fmt: skip
     head = ["--model.head_file", str(fitted_head / "head.pt")]
     err = one_error_line(tiny_args(tiny_clip, two, tmp_path, *head), capsys)
-    assert err.startswith("error: Expected the data's classes to be the 3 classes of the head")
+    assert err.startswith("error: Expected `class_names` to be the 3 classes of the head file")
     assert "not in the head: yellow dots" in err and "not in the data: red square" in err

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip.loading import load_open_clip, load_open_clip_architecture
+from frolic_tta.clip.loading import (
+    check_tau_c,
+    load_open_clip,
+    load_open_clip_architecture,
+    model_temperature,
+)
 from frolic_tta.data.class_names import class_key, same_classes
 from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.head import FrolicHead
@@ -121,6 +127,24 @@ def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
     return stored.head, stored.class_names
 
 
+class _NoRandomInitNotice(logging.Filter):
+    """Drops open_clip's "Model initialized randomly" (the checkpoint's weights follow)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in str(record.msg)
+
+
+def architecture(model_name: str, pretrained: str | None) -> tuple[torch.nn.Module, Any, Any]:
+    """:func:`~frolic_tta.clip.loading.load_open_clip_architecture` without open_clip's notice
+    that the model is initialised randomly: a checkpoint's weights are loaded into it next."""
+    quiet, root = _NoRandomInitNotice(), logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        return load_open_clip_architecture(model_name, pretrained)
+    finally:
+        root.removeFilter(quiet)
+
+
 def clip_from_checkpoint(stored: StoredHead, model_name: str) -> tuple[torch.nn.Module, Any, Any]:
     """The CLIP model a checkpoint carries: its architecture and preprocessing, its weights.
 
@@ -134,7 +158,7 @@ def clip_from_checkpoint(stored: StoredHead, model_name: str) -> tuple[torch.nn.
             f"--model.model_name {stored.model_name} (its CLIP weights are used; `pretrained` "
             "is not read)"
         )
-    clip, preprocess, tokenizer = load_open_clip_architecture(model_name, stored.pretrained)
+    clip, preprocess, tokenizer = architecture(model_name, stored.pretrained)
     try:
         clip.load_state_dict(stored.clip_state or {}, strict=True)
     except RuntimeError as error:
@@ -159,7 +183,7 @@ def load_clip(
         identity = (stored.provenance or {}).get("encoder")
         return (*clip_from_checkpoint(stored, model_name), identity)
     if weights_follow:
-        return (*load_open_clip_architecture(model_name, pretrained), None)
+        return (*architecture(model_name, pretrained), None)
     clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
     return clip, preprocess, tokenizer, encoder_identity(model_name, pretrained, clip, preprocess)
 
@@ -234,10 +258,10 @@ def head_class_names(
     order = same_classes(given, stored)
     if order is None:
         raise FrolicInputError(
-            f"Expected the data's classes to be the {k} classes of the {source} "
-            f"({', '.join(stored[:8])}{', ...' if k > 8 else ''}) in any order, but they are "
-            f"{len(given)} other ones ({_difference(given, stored)}): score data of the head's "
-            "classes, or adapt to these data without --model.head_file"
+            f"Expected `class_names` to be the {k} classes of the {source} "
+            f"({', '.join(stored[:8])}{', ...' if k > 8 else ''}) in any order, but the data's "
+            f"{len(given)} classes are others ({_difference(given, stored)}): score data of "
+            "the head's classes, or adapt to these data without --model.head_file"
         )
     inverse = [0] * k
     for j, i in enumerate(order):
@@ -280,12 +304,18 @@ class CheckpointHooks:
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``load_from_checkpoint``; a self-contained checkpoint (saved with
-        ``save_clip_weights=True``) builds the CLIP architecture without reading weights."""
+        ``save_clip_weights=True``) builds the CLIP architecture without reading weights.
+
+        ``tau_c="model"`` is read again once the checkpoint's weights are restored (``__init__``
+        saw the architecture's freshly initialised ``logit_scale``)."""
         token = _LOADING.set(True)
         try:
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+            module = super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
         finally:
             _LOADING.reset(token)
+        if check_tau_c(module.hparams.get("tau_c", "model")) is None:
+            module.tau_c = model_temperature(module.clip)
+        return module
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

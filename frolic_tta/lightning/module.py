@@ -156,7 +156,7 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         resolve_templates(templates)  # a bad key or file fails here, before any weights load
         if prompts_file is not None:
             load_descriptions(prompts_file)
-        samples.check_fraction(max_skipped_fraction)
+        samples.check_arguments(self.hparams)  # flags are bools, the fraction in [0, 1]
         samples.check_sizes(text_batch_size, chunk_size, self.class_names)
         stored = ckpt.read_stored_head(head_file) if head_file is not None else None
         self.head: FrolicHead | None = None if stored is None else stored.head
