@@ -303,6 +303,8 @@ class FrolicCLI(LightningCLI):
             self.trainer.save_checkpoint(path)
         except OSError as error:
             raise FrolicCLIError(write_error(path, error)) from None
+        if self.trainer.is_global_zero:
+            print(f"Checkpoint: {path} (--model.head_file scores with it)", flush=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
