@@ -57,6 +57,7 @@ from frolic_tta.lightning.entry import (
     leave_error,
     quiet_libraries,
     report_error,
+    short_warnings,
     unwritable_message,
 )
 from frolic_tta.lightning.module import FrolicModule
@@ -355,6 +356,7 @@ def main(args: ArgsType = None) -> None:
     the other ranks exit with status 2 silently.
     """
     quiet_libraries()
+    short_warnings()  # "warning: <message>", not the source line that warns
     with error_folder():
         try:
             FrolicCLI(args=args)

@@ -343,8 +343,8 @@ class FrolicModule(online.OnlineHooks, ckpt.CheckpointHooks, L.LightningModule):
         samples.check_counts(counts, self._dataset_length, self._skipped)
         used = counts["used"]
         features = self._features.rows()
-        hp = self.hparams
-        progress = FinalizeProgress(self.trainer, self.reduce_sum, used, self.prototypes_.shape[0])
+        hp, k = self.hparams, self.prototypes_.shape[0]  # the phases: [i/n], in order
+        progress = FinalizeProgress(self.trainer, self.reduce_sum, used, k, options=self.options)
         sums = checked_sums(computed, self._stored, progress.say)  # None: fit_frolic's own
         fit = fit_frolic(
             features,
