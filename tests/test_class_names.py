@@ -155,3 +155,31 @@ def test_a_head_for_other_classes_is_one_line(tiny_clip, image_folder, fitted_he
     err = one_error_line(tiny_args(tiny_clip, two, tmp_path, *head), capsys)
     assert err.startswith("error: Expected `class_names` to be the 3 classes of the head file")
     assert "not in the head: yellow dots" in err and "not in the data: red square" in err
+
+
+def test_a_head_of_another_encoder_names_the_encoder_it_was_fitted_with(
+    tiny_clip, image_folder, fitted_head, tmp_path, capsys, monkeypatch
+):
+    """Issue 38, item 6: the demo's head with the folder config's encoder (offline) failed with
+    "weights 'openai' of open_clip model 'ViT-B-16-quickgelu' are not in the local cache", not
+    saying that the head was fitted with another encoder, which it knows."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = tiny_args(tiny_clip, image_folder, tmp_path, "--model.head_file",
+                     str(fitted_head / "head.pt"))  # fmt: skip
+    args[args.index("--model.model_name") + 1] = "ViT-B-16-quickgelu"
+    args[args.index("--model.pretrained") + 1] = "openai"
+    err = one_error_line(args, capsys)
+    assert err == (
+        f"error: Expected the encoder the head file '{fitted_head / 'head.pt'}' was fitted with "
+        f"(--model.model_name {tiny_clip.config_path} --model.pretrained "
+        f"{tiny_clip.checkpoint_path}), but this run names --model.model_name ViT-B-16-quickgelu "
+        "--model.pretrained openai, whose weights are not here either: pass the head's encoder "
+        "options (the config.yaml of the run that wrote the head names them)"
+    )
+    # the config.yaml of that run brings them: it scores (no adaptation)
+    config = ["--config", str(fitted_head / "config.yaml"), "--output_dir", str(tmp_path / "ok"),
+              "--model.head_file", str(fitted_head / "head.pt"), "--data.labeled", "true",
+              "--data.class_names", "null", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    with pytest.warns(UserWarning, match="matched to the data's classes by name"):
+        main(["predict", *config])
+    assert not json.loads((tmp_path / "ok" / "metrics.json").read_text())["adapted"]

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from frolic_tta.clip.hub import WeightsNotFoundError
 from frolic_tta.clip.loading import (
     check_tau_c,
     load_open_clip,
@@ -28,6 +29,7 @@ from frolic_tta.clip.loading import (
     model_temperature,
 )
 from frolic_tta.data.class_names import class_key, same_classes
+from frolic_tta.data.store_key import weights_fingerprint
 from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
@@ -106,7 +108,7 @@ def read_stored_head(path: str | Path) -> StoredHead:
     head = FrolicHead.from_state_dict(
         {k: v.clone() if isinstance(v, Tensor) else v for k, v in state["frolic_head"].items()}
     )
-    hparams = state.get("hyper_parameters", {})
+    hparams = state.get("hyper_parameters") or state.get("encoder_options") or {}
     names = state.get("class_names") or hparams.get("class_names")
     weights = state.get("state_dict") or {}
     clip_state = {k[len(CLIP_PREFIX) :]: v for k, v in weights.items() if k.startswith(CLIP_PREFIX)}
@@ -184,8 +186,38 @@ def load_clip(
         return (*clip_from_checkpoint(stored, model_name), identity)
     if weights_follow:
         return (*architecture(model_name, pretrained), None)
-    clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
+    try:
+        clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
+    except WeightsNotFoundError:  # a head knows its encoder: say so, not only this
+        missing = ", whose weights are not here either"
+        other = None if stored is None else other_encoder(stored, model_name, pretrained, missing)
+        if other is not None:
+            raise FrolicInputError(other) from None  # the CLI prints the root cause
+        raise
     return clip, preprocess, tokenizer, encoder_identity(model_name, pretrained, clip, preprocess)
+
+
+def other_encoder(
+    stored: StoredHead, model_name: str, pretrained: str | None, also: str = ""
+) -> str | None:
+    """A sentence when ``stored`` was fitted with another encoder than ``model_name`` and
+    ``pretrained`` (by the model and weights its provenance records), naming the options it
+    was fitted with where the file records them; ``None`` when it is the same or not known."""
+    recorded = (stored.provenance or {}).get("encoder") or {}
+    mine = weights_fingerprint(model_name, pretrained)
+    keys = ("model_name", "model_config") + (("weights",) if mine["weights"] else ())
+    if not recorded or all(recorded.get(key) == mine.get(key) for key in keys):
+        return None
+    if stored.model_name is not None:
+        fix = f"--model.model_name {stored.model_name}"
+        fix += f" --model.pretrained {stored.pretrained}" if stored.pretrained else ""
+    else:
+        fix = f"the model {recorded.get('model_name')!r} with weights {recorded.get('weights')}"
+    return (
+        f"Expected the encoder the head file '{stored.path}' was fitted with ({fix}), but this "
+        f"run names --model.model_name {model_name} --model.pretrained {pretrained}{also}: pass "
+        "the head's encoder options (the config.yaml of the run that wrote the head names them)"
+    )
 
 
 def drop_clip_weights(checkpoint: dict[str, Any]) -> None:

@@ -162,6 +162,8 @@ class FrolicReport(FrolicPredictionWriter):
                 "classifier": _cpu(outcome.head.to_module().state_dict()),
                 "class_names": names,
                 PROVENANCE: module.provenance(),
+                "encoder_options": {key: module.hparams.get(key)  # what a reuse must pass
+                                    for key in ("model_name", "pretrained")},  # fmt: skip
             },
             out / "head.pt",
         )
