@@ -186,7 +186,7 @@ def _plain_math(latex: str) -> str:
 
 
 def _group(argument: str) -> str:
-    """A ``\\frac`` argument as text: ``{a + b}`` -> ``(a + b)``, ``{x}`` or ``x`` -> ``x``."""
+    r"""A ``\frac`` argument as text: ``{a + b}`` -> ``(a + b)``, ``{x}`` or ``x`` -> ``x``."""
     inner = argument[1:-1] if argument.startswith("{") else argument
     return f"({inner})" if re.search(r"[\s+\-*/]", inner.strip()) else inner
 
