@@ -142,6 +142,7 @@ SLOW = {
     "tests/test_test_prior.py::test_chunk_size_threads_and_no_logit_buffer_do_not_change_the_result",
     "tests/test_test_prior.py::test_mixture_weights_match_a_float64_reference_and_recover_known_weights",
     "tests/test_label_shift.py::test_label_shift_does_no_harm_and_nears_the_known_prior",
+    "tests/test_class_names.py::test_the_issue_case_scores_against_the_true_classes",
 }
 """Tests marked ``slow`` (their node id without parameters)."""
 
