@@ -24,6 +24,7 @@ from torch import Tensor
 from frolic_tta.gda import GaussianHead
 from frolic_tta.logits import AffineMap
 from frolic_tta.precision import full_precision
+from frolic_tta.validation import check_matrix
 
 
 def fused_map(
@@ -91,7 +92,12 @@ class FrolicHead:
 
     def score(self, features: Tensor) -> Tensor:
         r""":math:`f_d` of new features ``(n, d)`` -> ``(n, K)`` (no re-adaptation), in float32
-        without autocast or TF32 (:func:`~frolic_tta.precision.full_precision`)."""
+        without autocast or TF32 (:func:`~frolic_tta.precision.full_precision`).
+
+        Raises:
+            ValueError: ``features`` is not a 2-D floating tensor with d columns.
+        """
+        check_matrix("features", features, min_rows=0, cols=self.prototypes.shape[1], finite=False)
         with full_precision(features.device.type):
             return self.debiased().logits(features)
 
@@ -108,7 +114,7 @@ class FrolicHead:
         pass ``dtype=torch.float64``.
         """
         weight, bias = self.debiased().uncentred()
-        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=dtype)
+        layer = _CheckedLinear(weight.shape[1], weight.shape[0], dtype=dtype)
         with torch.no_grad():
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
@@ -182,4 +188,21 @@ class FrolicClassifier(torch.nn.Module):
         return cls(state["weight"], state["bias"], state["center"])
 
     def forward(self, features: Tensor) -> Tensor:
+        check_matrix("features", features, min_rows=0, cols=self.weight.shape[1], finite=False)
         return AffineMap(self.weight, self.bias, self.center).logits(features)
+
+
+class _CheckedLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` that says what it expected when given features of another width or
+    an integer tensor (instead of a size-mismatch ``RuntimeError``)."""
+
+    def forward(self, features: Tensor) -> Tensor:
+        if not isinstance(features, Tensor) or not features.is_floating_point():
+            what = features.dtype if isinstance(features, Tensor) else type(features).__name__
+            raise ValueError(f"Expected `features` to be floating point, but got {what}")
+        if features.ndim == 0 or features.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Expected `features` to have {self.in_features} columns (dimension mismatch), "
+                f"but got shape {tuple(features.shape)}"
+            )
+        return super().forward(features)

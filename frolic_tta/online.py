@@ -138,7 +138,8 @@ class OnlineFrolic:
         chunk_size: rows per chunk in the refits (``None``: about 2M logits per chunk).
 
     Raises:
-        TypeError: ``tau_c``, ``warmup`` or ``growth`` is not a real number.
+        TypeError: ``tau_c``, ``warmup``, ``growth`` or ``min_coverage`` is not a real number
+            (``True`` and ``"0.5"`` are not).
         ValueError: bad ``prototypes``, ``tau_c`` or ``warmup`` not finite and > 0,
             ``growth`` not > 1, ``min_coverage`` not in [0, 1].
 
@@ -174,9 +175,10 @@ class OnlineFrolic:
         self.growth = check_positive("growth", growth)
         if self.growth <= 1.0:
             raise ValueError(f"Expected `growth` > 1, but got {growth}")
-        if not 0.0 <= min_coverage <= 1.0:
+        coverage_ = check_positive("min_coverage", min_coverage, allow_zero=True)
+        if coverage_ > 1.0:
             raise ValueError(f"Expected `min_coverage` in [0, 1], but got {min_coverage}")
-        self.min_coverage = float(min_coverage)
+        self.min_coverage = coverage_
         self.prototypes = prototypes.detach()
         self.reduce_fn = reduce_fn or identity_reduce
         self.chunk_size = chunk_size
@@ -213,6 +215,9 @@ class OnlineFrolic:
     def step(self, features: Tensor) -> OnlineStep:
         """Add a batch ``(b, d)`` (``b`` may be 0: a padding step) and answer it.
 
+        A step that raises (a refit that fails on every shard alike) changes nothing: its
+        batch is not in the running sums and it is not counted.
+
         Raises:
             ValueError: ``features`` is not a 2-D floating tensor with d columns, or holds NaN
                 or inf (drop such samples before the step).
@@ -221,12 +226,17 @@ class OnlineFrolic:
         features = features.detach()
         z = self.prototypes.to(features.device)
         batch = moment_sums(features, z, self.tau_c)
+        before = (self._sums, self.seen)
         self._sums = batch if self._sums is None else self._sums + batch
         self._features.append(features)
         local = torch.tensor([float(features.shape[0])], dtype=torch.float64)
         self.seen += int(round(float(self.reduce_fn(local)[0])))
         if self._due():
-            self._refit(final=False)
+            try:
+                self._refit(final=False)
+            except BaseException:  # the step did not happen: its batch leaves the sums again
+                (self._sums, self.seen), _ = before, self._features.pop()
+                raise
         # f_c / tau_c from float64 products in the compute dtype, as every other path (a
         # float16 or bfloat16 input scored in its own dtype changed 30 of 2,000 argmaxes)
         zero_shot = scaled_zero_shot(features, z, self.tau_c).to(compute_dtype(features))
@@ -275,18 +285,19 @@ class OnlineFrolic:
                 keep_logits=keep_logits,
                 chunk_size=self.chunk_size,
             )
+        if final:  # the stream's answers go on with its last refit (they report its number)
+            return fit
         self.fit, self.head = fit, fit.head
-        if not final:
-            self.history.append(
-                Refit(
-                    self.refits + 1,
-                    self.steps,
-                    self.seen,
-                    float(fit.head.tau_g),
-                    float(fit.priors.shift_weight),
-                    coverage(fit.sums.soft_count),
-                )
+        self.history.append(
+            Refit(
+                self.refits + 1,
+                self.steps,
+                self.seen,
+                float(fit.head.tau_g),
+                float(fit.priors.shift_weight),
+                coverage(fit.sums.soft_count),
             )
+        )
         return fit
 
     @torch.no_grad()
@@ -294,6 +305,9 @@ class OnlineFrolic:
         """:func:`fit_frolic` on every feature seen, with the accumulated sums: the
         transductive fit. With ``keep_logits`` its ``logits`` re-score this shard's stream
         ``(N_local, K)`` (:math:`f_d` of the final head, in arrival order).
+
+        The stream's own state is left as it is: a later :meth:`step` is answered by the last
+        refit's head (``head``, ``fit``), and says so (``refit``, ``fitted_on``).
 
         Raises:
             ValueError: fewer than 2 samples over all shards (as :func:`fit_frolic`).

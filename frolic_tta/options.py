@@ -14,10 +14,19 @@ zero-shot classifier (CLIP's learned ``logit_scale``), so it is passed beside th
 
 from __future__ import annotations
 
-import math
+import difflib
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
+
+from frolic_tta.option_values import (  # noqa: F401 (imported from here by the estimators)
+    check_choice,
+    check_count,
+    check_positive,
+    is_bool,
+    plain_numbers,
+)
 
 Covariance = Literal["soft", "paper", "released"]
 r"""``"soft"``: within-class scatter under the zero-shot posterior; ``"paper"``: Eq. 7;
@@ -54,48 +63,12 @@ HEAD_LABELS: tuple[str, ...] = get_args(HeadLabels)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
 
 
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"Expected `{name}` to be one of {choices}, but got {value!r}")
-
-
-def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """``value`` as a float if it is a finite real number > 0 (>= 0 with ``allow_zero``).
-
-    Raises:
-        TypeError: ``value`` is not a real number (``bool`` included).
-        ValueError: it is NaN, infinite, or not positive.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"Expected `{name}` to be a real number, but got {value!r}")
-    value = float(value)
-    bound = "> 0" if not allow_zero else ">= 0"
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"Expected `{name}` to be a finite number {bound}, but got {value!r}")
-    return value
-
-
-def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
-    """``value`` if it is an ``int`` (not ``bool``) >= ``minimum``.
-
-    Raises:
-        TypeError: not an int.
-        ValueError: below ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Expected `{name}` to be an int, but got {value!r}")
-    if value < minimum:
-        raise ValueError(f"Expected `{name}` >= {minimum}, but got {value}")
-    return value
-
-
 def check_shrinkage(value: Any) -> None:
     """Raise unless ``value`` is ``"auto"``, ``"oas"``, ``None`` or a real number in [0, 1]."""
     if value is None or (isinstance(value, str) and value in SHRINKAGE_MODES):
         return
     message = f"Expected `shrinkage` in [0, 1], 'auto', 'oas' or None, but got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(message)
     if not 0.0 <= float(value) <= 1.0:
         raise ValueError(message)
@@ -161,6 +134,7 @@ class SolverOptions:
         if self.inmap_tolerance is not None:
             check_positive("inmap_tolerance", self.inmap_tolerance)
         check_positive("temperature_tol", self.temperature_tol)
+        plain_numbers(self)
 
 
 SOLVER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SolverOptions))
@@ -274,24 +248,55 @@ class FrolicOptions:
         check_positive("inmap_gamma", self.inmap_gamma, allow_zero=True)
         if not isinstance(self.solver, SolverOptions):  # a mapping from YAML or a sweep
             object.__setattr__(self, "solver", solver_options(self.solver))
+        plain_numbers(self)
 
 
-def options_from_dict(values: Mapping[str, Any]) -> FrolicOptions:
-    """:class:`FrolicOptions` from a plain mapping such as ``asdict(options)`` (hparams).
+def options_from_dict(values: Mapping[str, Any] | None) -> FrolicOptions:
+    """:class:`FrolicOptions` from a plain mapping such as ``asdict(options)`` (hparams);
+    ``None``: the defaults.
 
     Mappings written before the solver group (a checkpoint's hparams with ``eps``,
     ``max_iter``, ... beside the method's choices) still load: those flat keys are moved into
-    ``solver`` (where a key is in both, the nested one wins).
+    ``solver``, beside the keys a ``solver`` entry has.
 
     Raises:
-        TypeError: a key is neither a :class:`FrolicOptions` nor a :class:`SolverOptions` field.
+        TypeError: not a mapping (a preset's name says which function builds it), or a key is
+            neither a :class:`FrolicOptions` nor a :class:`SolverOptions` field.
+        ValueError: a solver field is given flat and in ``solver``, with other values.
     """
+    if values is None:
+        return FrolicOptions()
+    if not isinstance(values, Mapping):
+        hint = (
+            ": for the paper's method pass options=frolic_tta.paper_options() "
+            "(frolic_tta.released_options() for the released one)"
+            if isinstance(values, str) else ""
+        )  # fmt: skip
+        raise TypeError(
+            "Expected `options` to be a FrolicOptions or a mapping of its fields, but got "
+            f"{type(values).__name__} {values!r:.60}{hint}"
+        )
     values = dict(values)
+    names = sorted(f.name for f in fields(FrolicOptions))
+    unknown = sorted(map(str, set(values) - set(names) - set(SOLVER_FIELDS)))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], names + list(SOLVER_FIELDS), n=1)
+        raise TypeError(
+            f"Expected `options` keys among the FrolicOptions fields {names} (or the "
+            f"SolverOptions fields, flat, as older checkpoints wrote them), but got {unknown}"
+            + (f"; did you mean {near[0]!r}?" if near else "")
+        )
     flat = {name: values.pop(name) for name in SOLVER_FIELDS if name in values}
     if flat:
         nested = values.get("solver") or {}
         nested = asdict(nested) if isinstance(nested, SolverOptions) else dict(nested)
-        values["solver"] = {**flat, **nested}
+        for name, value in flat.items():
+            if name in nested and nested[name] != value:
+                raise ValueError(
+                    f"Expected each solver option once, but `{name}` is given flat ({value!r}) "
+                    f"and in `solver` ({nested[name]!r}): keep the one in `solver`"
+                )
+        values["solver"] = {**nested, **flat}
     return FrolicOptions(**values)
 
 

@@ -144,6 +144,7 @@ SLOW = {
     "tests/test_label_shift.py::test_label_shift_does_no_harm_and_nears_the_known_prior",
     "tests/test_adaptation.py::test_transformers_clip_module_1_and_2_processes_equal_fit_frolic",
     "tests/test_adaptation.py::test_online_answers_and_feature_store_work_with_a_module_of_ones_own",
+    "tests/test_class_names.py::test_the_issue_case_scores_against_the_true_classes",
 }
 """Tests marked ``slow`` (their node id without parameters)."""
 

@@ -141,7 +141,7 @@ def test_report_files(ddp_then_single, tiny_clip, image_folder):
     recall = torch.tensor(per_class["accuracy"]["f_d"], dtype=torch.float64)
     assert float((support * recall).sum()) / N == pytest.approx(metrics["accuracy"]["f_d"])
     assert metrics["options"]["zero_shot"] == "text"
-    assert "top-5" in stdout and "ECE" in stdout
+    assert "top-3" in stdout and "ECE" in stdout  # K = 3 (top-5 where K >= 5)
     # CSV: every index once, file paths, class names, targets
     assert [int(r["index"]) for r in rows] == list(range(N))
     assert all(Path(r["path"]).is_file() and r["path"].startswith(str(image_folder)) for r in rows)

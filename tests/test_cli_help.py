@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from frolic_tta.lightning.cli import main
-from frolic_tta.lightning.cli_help import plain_text
+from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, STORED_HELP, plain_text, write_help
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_LINES = 200
 """The help page at 100 columns (173 lines when written; Lightning's own was 573)."""
@@ -80,3 +86,44 @@ def test_hidden_options_are_still_accepted(tmp_path, capsys, monkeypatch):
 )
 def test_plain_text(markup, plain):
     assert plain_text(markup) == plain
+
+
+# ---------------------------------------------------------------- issue 38, item 4
+
+
+def test_every_example_of_the_help_runs(capsys, monkeypatch):
+    """The help showed `--config configs/eurosat_vit_b16.yaml`, a file that does not exist."""
+    monkeypatch.chdir(ROOT)
+    examples = [line.strip() for line in PREDICT_DESCRIPTION.splitlines() if line.startswith("  ")]
+    assert len(examples) >= 2
+    for example in examples:
+        words = shlex.split(example)
+        assert words[:3] == ["python", "train.py", "predict"], example
+        with pytest.raises(SystemExit) as stop:
+            main([*words[2:], "--print_config"])
+        assert stop.value.code == 0, (example, capsys.readouterr().err)
+        assert "model:" in capsys.readouterr().out
+
+
+def test_the_help_holds_no_latex(capsys, monkeypatch):
+    """'mathrmsoftmax(...)' and 'frac12(...)' were left of the docstrings' maths."""
+    text = predict_help(capsys, monkeypatch)
+    for leftover in ("mathrm", "frac1", "fracN", "\\", "^{", "_{"):
+        assert leftover not in text, leftover
+    assert "softmax(f_c/τ_c - ln β̂_c)" in " ".join(text.split())
+    assert "f_f = 1/2(f_g/τ_g + f_c/τ_c)" in " ".join(text.split())
+
+
+def test_the_stored_help_is_the_parsers_and_train_py_prints_it_without_torch(tmp_path):
+    """train.py prints STORED_HELP for a bare `predict --help` (the parser imports torch,
+    Lightning and open_clip first: about 8 s on 2 CPU cores)."""
+    assert write_help(tmp_path / "help.txt") == STORED_HELP.read_text(encoding="utf-8"), (
+        "the stored help is stale: python -m frolic_tta.lightning.cli_help"
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "train.py"), "predict", "--help"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == STORED_HELP.read_text(encoding="utf-8")
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+    assert not imported & {"torch", "lightning", "open_clip", "frolic_tta"}

@@ -38,7 +38,7 @@ def test_openai_tag_builds_quick_gelu(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     for name in ("ViT-B-16", "ViT-B-16-quickgelu"):
-        match = r"--model.pretrained /path/to.ckpt. open_clip said: Failed to download weights"
+        match = r"--model.pretrained /path/to.ckpt\)\. open_clip said: Failed to download weights"
         with pytest.raises(WeightsNotFoundError, match=match):
             load_open_clip(name, "openai")
     assert calls == [{"force_quick_gelu": True}, {}]

@@ -196,8 +196,8 @@ def test_hf_hub_not_cached_offline_is_one_fast_line(tmp_path, no_network):
     assert str(caught.value) == (
         f"the files of 'hf-hub:frolic/absent' are not in the local cache ({tmp_path}) and "
         f"{no_network} cannot be reached (no internet?); run once with internet (the cache is "
-        "then used offline), or copy the repository into a folder: --model.model_name "
-        "local-dir:/path/to/folder"
+        "then used offline), or copy the repository into a folder: model_name="
+        "'local-dir:/path/to/folder' (--model.model_name local-dir:/path/to/folder)"
     )
     with pytest.raises(ValueError, match=r"^Expected `model_name` 'hf-hub:org/name', but got"):
         load_open_clip("hf-hub:frolic", None)
@@ -239,8 +239,8 @@ def test_hf_hub_offline_set_fails_at_once_without_probing(tmp_path, monkeypatch,
     assert str(caught.value) == (
         f"weights 'openai' of open_clip model 'ViT-B-16' are not in the local cache ({tmp_path}) "
         "and HF_HUB_OFFLINE is set; run once with internet (the cache is then used offline), or "
-        "pass --model.pretrained /path/to.ckpt"
-    )
+        "pass pretrained='/path/to.ckpt' (--model.pretrained /path/to.ckpt)"
+    )  # issue 38: a Python caller was told only the command line's --model.pretrained
 
 
 def test_cached_tag_loads_offline_through_open_clip(tiny_clip, tmp_path, monkeypatch, no_network):

@@ -51,7 +51,8 @@ def test_indexed_dataset_dicts() -> None:
     assert isinstance(labeled[1]["label"], int) and len(labeled) == 2
     unlabeled = IndexedDataset(["x", "y"])
     assert unlabeled[0] == {"image": "x", "index": 0, "error": ""}
-    assert IndexedDataset([("z", None)])[0] == {"image": "z", "index": 0, "error": ""}
+    # a pair without a label: target -1 (a batch of pairs with and without labels collates)
+    assert IndexedDataset([("z", None)])[0] == {"image": "z", "index": 0, "error": "", "label": -1}
     with pytest.raises(TypeError, match="got a tuple of length 3 at index 0"):
         IndexedDataset([("a", 1, 2)])[0]
 

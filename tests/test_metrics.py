@@ -165,7 +165,8 @@ def test_table_shows_every_metric_with_top1_first():
         "beta": {"min": 0.3, "max": 0.4, "max_over_min": 1.3, "std_log": 0.1},
     }
     lines = format_table(summary).splitlines()
-    assert lines[1].split()[:6] == ["row", "top-1", "top-5", "recall", "ECE", "NLL"]
+    # K = 3: the column is top-3 (issue 38: the header said top-5, computed as top-K, K < 5)
+    assert lines[1].split()[:6] == ["row", "top-1", "top-3", "recall", "ECE", "NLL"]
     assert lines[2].split()[:6] == ["f_c", "50.00%", "100.00%", "45.00%", "0.012", "1.500"]
     del summary["top5"], summary["ece"]  # a stored head: top-1 alone
     assert format_table(summary).splitlines()[3].split()[:6] == [

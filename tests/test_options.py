@@ -109,7 +109,8 @@ def test_flat_dicts_of_older_versions_load_into_the_solver_group():
     flat = {k: v for k, v in nested.items() if k != "solver"} | nested["solver"]
     del flat["temperature_tol"]  # not a field before the group
     assert options_from_dict(flat) == options
-    with pytest.raises(TypeError, match="unexpected keyword argument 'tolerance'"):
+    # issue 38: the raw "__init__() got an unexpected keyword argument" is a sentence now
+    with pytest.raises(TypeError, match=r"but got \['tolerance'\]; did you mean 'inmap_tolerance'"):
         options_from_dict({"tolerance": 1e-3})
 
 

@@ -155,6 +155,10 @@ def require_hub(name: str, pretrained: str | None, cache_dir: str | None) -> Non
 
 
 def fix_hint(name: str) -> str:
+    """The fix, for a Python caller and on the command line."""
     if name.startswith(HF_HUB):
-        return "copy the repository into a folder: --model.model_name local-dir:/path/to/folder"
-    return "pass --model.pretrained /path/to.ckpt"
+        return (
+            "copy the repository into a folder: model_name='local-dir:/path/to/folder' "
+            "(--model.model_name local-dir:/path/to/folder)"
+        )
+    return "pass pretrained='/path/to.ckpt' (--model.pretrained /path/to.ckpt)"

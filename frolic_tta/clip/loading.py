@@ -130,12 +130,14 @@ def resolve_pretrained(name: str, pretrained: str | None) -> str | None:
     if path.is_dir():
         raise WeightsNotFoundError(
             f"checkpoint {pretrained!r} for {name!r} is a folder; for a folder with "
-            f"{HF_CONFIG_NAME} pass --model.model_name local-dir:{pretrained}"
+            f"{HF_CONFIG_NAME} pass model_name='local-dir:{pretrained}' (--model.model_name "
+            f"local-dir:{pretrained})"
         )
     if "/" in pretrained or os.sep in pretrained or pretrained.endswith((*WEIGHT_SUFFIXES, ".pt")):
         raise WeightsNotFoundError(
-            f"checkpoint {pretrained!r} for {name!r} does not exist; pass an existing file with "
-            "--model.pretrained /path/to.ckpt or an open_clip tag such as 'openai'"
+            f"checkpoint {pretrained!r} for {name!r} does not exist; pass an existing file, "
+            "pretrained='/path/to.ckpt' (--model.pretrained /path/to.ckpt), or an open_clip tag "
+            "such as 'openai'"
         )
     tags = open_clip.list_pretrained_tags_by_model(name)
     if not tags:

@@ -17,7 +17,7 @@ one, raises :class:`~frolic_tta.data.store.FeatureStoreError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 
+from frolic_tta.data.class_names import labelled_class_names
 from frolic_tta.data.datasets import canonical_dataset_name, clean_class_name
 from frolic_tta.data.feature_dataset import FeatureDataset, collate_stored
 from frolic_tta.data.indexed import (
@@ -54,6 +55,7 @@ STORE_MODES = ("auto", "read", "write")
 exist; ``write``: encode and replace it."""
 StoreDtype = Literal["float32", "float16"]
 StoreMode = Literal["auto", "read", "write"]
+ClassNames = list[str] | dict[str, str] | None
 FEATURE_BATCH_SIZE = 2048
 """Default ``feature_batch_size``: stored features per batch. No encoder runs on them, so a
 small batch only adds per-batch overhead (the largest temporary is a (rows, K) float64 product)."""
@@ -77,7 +79,10 @@ class _IndexedDataModule(L.LightningDataModule):
             (:func:`default_num_workers`).
         limit: Keep only this many samples (a seeded random subset, in order).
         preprocess: Image transform; default: the LightningModule's ``.preprocess``.
-        class_names: Override (or, for images without labels, supply) the class names.
+        class_names: For unlabelled images, the class names (a list). For labelled data, the
+            words of its classes: a list naming them (in any order; they keep the data's order
+            and labels) or a mapping ``{class: words}``; names of other classes are refused
+            (:mod:`frolic_tta.data.class_names`).
         feature_store: Folder of a feature store: read it when it holds this run's features,
             else encode and write it (see the module docstring).
         feature_store_dtype: ``"float32"`` or ``"float16"`` (half the size) for a new store.
@@ -98,7 +103,7 @@ class _IndexedDataModule(L.LightningDataModule):
         num_workers: int | None = None,
         limit: int | None = None,
         preprocess: Callable[[Any], Any] | None = None,
-        class_names: list[str] | None = None,
+        class_names: ClassNames = None,
         feature_store: str | None = None,
         feature_store_dtype: StoreDtype = "float32",
         feature_store_mode: StoreMode = "auto",
@@ -134,8 +139,10 @@ class _IndexedDataModule(L.LightningDataModule):
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be a positive integer or None, got {limit}")
         self.batch_size, self.num_workers, self.preprocess = batch_size, num_workers, preprocess
-        #: The class names: the user's ``class_names`` until a subclass sets its source.
-        self.class_names = check_class_names(class_names)
+        #: The class names: the user's ``class_names`` until a subclass sets its source (a
+        #: mapping ``{class: words}`` is resolved against the data's classes there).
+        mapping = isinstance(class_names, Mapping)
+        self.class_names = class_names if mapping else check_class_names(class_names)
         self.dataset: IndexedDataset | None = None
 
     def _set_source(self, source: Dataset, class_names: list[str] | None, labeled: bool) -> None:
@@ -256,26 +263,19 @@ class _IndexedDataModule(L.LightningDataModule):
 
 
 def override_class_names(
-    class_names: Sequence[str] | None, names: list[str], source: str
+    class_names: Sequence[str] | Mapping[str, str] | None,
+    names: list[str],
+    source: str,
+    aliases: Sequence[Sequence[str]] = (),
 ) -> list[str]:
-    """The user's ``class_names`` if given (one per class of ``source``), else ``names``.
-
-    Raises:
-        TypeError: ``class_names`` is not a list of strings.
-        ValueError: ``class_names`` has a different length than ``names``.
-    """
-    class_names = check_class_names(class_names)
-    if class_names is None:
-        return names
-    if len(class_names) != len(names):
-        raise ValueError(
-            f"Expected {len(names)} class_names for {source}, but got {len(class_names)}"
-        )
-    return list(class_names)
+    """The class names of a labelled source, spelled as the user's ``class_names`` give them:
+    :func:`~frolic_tta.data.class_names.labelled_class_names` (names match classes by name, in
+    any order, or map each class to its words; never a renaming by position)."""
+    return labelled_class_names(class_names, names, source, aliases)
 
 
 def _folder_source(
-    root: str, labeled: bool, class_names: list[str] | None
+    root: str, labeled: bool, class_names: ClassNames
 ) -> tuple[Dataset, list[str] | None]:
     if not labeled:
         return UnlabeledImageFolder(root), class_names
@@ -288,7 +288,8 @@ def _folder_source(
             "--data.class_names '[cat, dog, bird]'."
         ) from None
     names = [clean_class_name(c) for c in source.classes]
-    return source, override_class_names(class_names, names, f"the class folders of '{root}'")
+    where = f"the class folders of '{root}'"
+    return source, override_class_names(class_names, names, where, [source.classes])
 
 
 class FrolicDataModule(_IndexedDataModule):

@@ -90,7 +90,8 @@ class IndexedDataset(Dataset):
 
     Args:
         dataset: Any map-style dataset whose items are ``(image, label)`` pairs or bare images.
-            A pair whose label is ``None`` counts as unlabelled.
+            A pair whose label is ``None`` counts as unlabelled: its ``"label"`` is -1, so that
+            a batch of labelled and unlabelled pairs collates (every item has the same keys).
         transform: Applied to the image (e.g. open_clip's eval preprocess); ``None`` keeps it.
         skip_unreadable: When loading or transforming an item raises one of
             :data:`UNREADABLE_ERRORS`, return a blank placeholder (the shape of a readable
@@ -112,7 +113,8 @@ class IndexedDataset(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def _load(self, index: int) -> tuple[Any, Any]:
-        """``(transformed image, label or None)`` of one item; raises what loading raises."""
+        """``(transformed image, label)`` of one item: ``None`` for a bare image, -1 for a pair
+        whose label is ``None``; raises what loading raises."""
         item = self.dataset[index]
         label = None
         if isinstance(item, tuple | list):
@@ -122,6 +124,7 @@ class IndexedDataset(Dataset):
                     f"got a {type(item).__name__} of length {len(item)} at index {index}"
                 )
             item, label = item
+            label = -1 if label is None else label
         return (self.transform(item) if self.transform is not None else item), label
 
     def __getitem__(self, index: int) -> dict[str, Any]:

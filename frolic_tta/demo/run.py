@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sys.argv = argv0
     print(
-        f"\nOutputs in {args.output_dir}/ (metrics.json, predictions.csv, plots, config.yaml).\n"
-        f"The same run with the CLI: python train.py predict --config {config}\n"
+        f"\nThe same run with the CLI: python train.py predict --config {config}\n"
         "Next: the Quickstart with OpenAI's CLIP, or your own images (configs/folder.yaml).",
         flush=True,
     )

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,16 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from frolic_tta.clip.loading import load_open_clip, load_open_clip_architecture
-from frolic_tta.errors import FrolicInputError
+from frolic_tta.clip.hub import WeightsNotFoundError
+from frolic_tta.clip.loading import (
+    check_tau_c,
+    load_open_clip,
+    load_open_clip_architecture,
+    model_temperature,
+)
+from frolic_tta.data.class_names import class_key, same_classes
+from frolic_tta.data.store_key import weights_fingerprint
+from frolic_tta.errors import FrolicInputError, warn
 from frolic_tta.head import FrolicHead
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
 from frolic_tta.lightning.provenance import check_provenance, encoder_identity, prompts_sha256
@@ -99,7 +108,7 @@ def read_stored_head(path: str | Path) -> StoredHead:
     head = FrolicHead.from_state_dict(
         {k: v.clone() if isinstance(v, Tensor) else v for k, v in state["frolic_head"].items()}
     )
-    hparams = state.get("hyper_parameters", {})
+    hparams = state.get("hyper_parameters") or state.get("encoder_options") or {}
     names = state.get("class_names") or hparams.get("class_names")
     weights = state.get("state_dict") or {}
     clip_state = {k[len(CLIP_PREFIX) :]: v for k, v in weights.items() if k.startswith(CLIP_PREFIX)}
@@ -120,6 +129,24 @@ def read_head_file(path: str | Path) -> tuple[FrolicHead, list[str] | None]:
     return stored.head, stored.class_names
 
 
+class _NoRandomInitNotice(logging.Filter):
+    """Drops open_clip's "Model initialized randomly" (the checkpoint's weights follow)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in str(record.msg)
+
+
+def architecture(model_name: str, pretrained: str | None) -> tuple[torch.nn.Module, Any, Any]:
+    """:func:`~frolic_tta.clip.loading.load_open_clip_architecture` without open_clip's notice
+    that the model is initialised randomly: a checkpoint's weights are loaded into it next."""
+    quiet, root = _NoRandomInitNotice(), logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        return load_open_clip_architecture(model_name, pretrained)
+    finally:
+        root.removeFilter(quiet)
+
+
 def clip_from_checkpoint(stored: StoredHead, model_name: str) -> tuple[torch.nn.Module, Any, Any]:
     """The CLIP model a checkpoint carries: its architecture and preprocessing, its weights.
 
@@ -133,7 +160,7 @@ def clip_from_checkpoint(stored: StoredHead, model_name: str) -> tuple[torch.nn.
             f"--model.model_name {stored.model_name} (its CLIP weights are used; `pretrained` "
             "is not read)"
         )
-    clip, preprocess, tokenizer = load_open_clip_architecture(model_name, stored.pretrained)
+    clip, preprocess, tokenizer = architecture(model_name, stored.pretrained)
     try:
         clip.load_state_dict(stored.clip_state or {}, strict=True)
     except RuntimeError as error:
@@ -158,9 +185,39 @@ def load_clip(
         identity = (stored.provenance or {}).get("encoder")
         return (*clip_from_checkpoint(stored, model_name), identity)
     if weights_follow:
-        return (*load_open_clip_architecture(model_name, pretrained), None)
-    clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
+        return (*architecture(model_name, pretrained), None)
+    try:
+        clip, preprocess, tokenizer = load_open_clip(model_name, pretrained)
+    except WeightsNotFoundError:  # a head knows its encoder: say so, not only this
+        missing = ", whose weights are not here either"
+        other = None if stored is None else other_encoder(stored, model_name, pretrained, missing)
+        if other is not None:
+            raise FrolicInputError(other) from None  # the CLI prints the root cause
+        raise
     return clip, preprocess, tokenizer, encoder_identity(model_name, pretrained, clip, preprocess)
+
+
+def other_encoder(
+    stored: StoredHead, model_name: str, pretrained: str | None, also: str = ""
+) -> str | None:
+    """A sentence when ``stored`` was fitted with another encoder than ``model_name`` and
+    ``pretrained`` (by the model and weights its provenance records), naming the options it
+    was fitted with where the file records them; ``None`` when it is the same or not known."""
+    recorded = (stored.provenance or {}).get("encoder") or {}
+    mine = weights_fingerprint(model_name, pretrained)
+    keys = ("model_name", "model_config") + (("weights",) if mine["weights"] else ())
+    if not recorded or all(recorded.get(key) == mine.get(key) for key in keys):
+        return None
+    if stored.model_name is not None:
+        fix = f"--model.model_name {stored.model_name}"
+        fix += f" --model.pretrained {stored.pretrained}" if stored.pretrained else ""
+    else:
+        fix = f"the model {recorded.get('model_name')!r} with weights {recorded.get('weights')}"
+    return (
+        f"Expected the encoder the head file '{stored.path}' was fitted with ({fix}), but this "
+        f"run names --model.model_name {model_name} --model.pretrained {pretrained}{also}: pass "
+        "the head's encoder options (the config.yaml of the run that wrote the head names them)"
+    )
 
 
 def drop_clip_weights(checkpoint: dict[str, Any]) -> None:
@@ -178,23 +235,75 @@ def restore_clip_weights(checkpoint: dict[str, Any], clip: torch.nn.Module) -> N
         state.update({CLIP_PREFIX + k: v for k, v in clip.state_dict().items()})
 
 
+PER_CLASS = ("prototypes", "weight", "bias", "class_means", "class_weights", "beta",
+             "test_prior", "zero_shot_beta")  # fmt: skip
+"""The entries of ``FrolicHead.state_dict()`` with one row per class (the rest is shared)."""
+
+
+def permute_head(head: FrolicHead, order: list[int]) -> FrolicHead:
+    """``head`` with its classes in ``order`` (class ``j`` of the result is class ``order[j]``
+    of ``head``): logits ``head.score(x)[:, order]``, exactly."""
+    index = torch.tensor(order, dtype=torch.long)
+    state = head.state_dict()
+    for key in PER_CLASS:
+        if isinstance(state.get(key), Tensor):
+            state[key] = state[key].index_select(0, index.to(state[key].device))
+    return FrolicHead.from_state_dict(state)
+
+
+def _difference(given: list[str], stored: list[str]) -> str:
+    keys = {class_key(name) for name in stored}
+    extra = [name for name in given if class_key(name) not in keys]
+    keys = {class_key(name) for name in given}
+    missing = [name for name in stored if class_key(name) not in keys]
+    parts = [f"not in the head: {', '.join(extra[:8])}"] if extra else []
+    parts += [f"not in the data: {', '.join(missing[:8])}"] if missing else []
+    return "; ".join(parts) or "a class named twice"
+
+
 def head_class_names(
-    head: FrolicHead, given: list[str] | None, stored: list[str] | None
-) -> list[str]:
-    """The class names to use with a stored head: ``given`` if any, else ``stored``.
+    head: FrolicHead, given: list[str] | None, stored: list[str] | None, source: str = "head file"
+) -> tuple[FrolicHead, list[str], list[str] | None]:
+    """The stored head for the classes ``given`` (the data's): ``(head, class names, the given
+    names in the head's order)``.
+
+    ``given`` names the head's classes in any order (matched by name, as
+    :func:`~frolic_tta.data.class_names.same_classes`): the head is permuted into the given
+    order, with a warning. Without ``given``, the stored names; a head that records none is used
+    by position.
 
     Raises:
-        FrolicInputError: none known, a count other than the head's K, or ``given`` differs
-            from the names stored with the head.
+        FrolicInputError: no names known, a count other than the head's K, or the given names
+            are not the head's classes.
     """
     k = head.prototypes.shape[0]
-    names = given if given is not None else stored
-    if names is None or len(names) != k or (stored is not None and names != stored):
+    if given is None or stored is None:
+        names = given if given is not None else stored
+        if names is None or len(names) != k:
+            raise FrolicInputError(
+                f"Expected {k} class names for the {k} classes of the {source}, but got "
+                f"{names!r:.200}"
+            )
+        return head, list(names), None
+    if given == stored:
+        return head, list(given), None
+    order = same_classes(given, stored)
+    if order is None:
         raise FrolicInputError(
-            f"Expected `class_names` to be the {k} classes of the head file, in its order "
-            f"({stored!r:.200}), but got {given!r:.200}"
+            f"Expected `class_names` to be the {k} classes of the {source} "
+            f"({', '.join(stored[:8])}{', ...' if k > 8 else ''}) in any order, but the data's "
+            f"{len(given)} classes are others ({_difference(given, stored)}): score data of "
+            "the head's classes, or adapt to these data without --model.head_file"
         )
-    return list(names)
+    inverse = [0] * k
+    for j, i in enumerate(order):
+        inverse[i] = j
+    if order != list(range(k)):
+        warn(
+            f"The {source}'s classes ({', '.join(stored[:8])}{', ...' if k > 8 else ''}) are "
+            "matched to the data's classes by name and put in the data's order"
+        )
+    return permute_head(head, order), list(given), [given[inverse[i]] for i in range(k)]
 
 
 def check_head_dim(head: FrolicHead | None, clip: torch.nn.Module, model_name: str) -> None:
@@ -217,22 +326,28 @@ class CheckpointHooks:
     class_names: list[str] | None
     encoder_: dict[str, Any] | None
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self, class_names: list[str] | None = None) -> dict[str, Any]:
         """What the head is fitted with (:mod:`.provenance`): ``encoder``, ``class_names``,
-        ``prompts_sha256``."""
-        names, hp = self.class_names, self.hparams
+        ``prompts_sha256`` (of ``class_names`` if given: a stored head's own order)."""
+        names, hp = class_names or self.class_names, self.hparams
         digest = prompts_sha256(names, hp.templates, hp.prompts_file) if names else None
         return {"encoder": self.encoder_, "class_names": names, "prompts_sha256": digest}
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``load_from_checkpoint``; a self-contained checkpoint (saved with
-        ``save_clip_weights=True``) builds the CLIP architecture without reading weights."""
+        ``save_clip_weights=True``) builds the CLIP architecture without reading weights.
+
+        ``tau_c="model"`` is read again once the checkpoint's weights are restored (``__init__``
+        saw the architecture's freshly initialised ``logit_scale``)."""
         token = _LOADING.set(True)
         try:
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+            module = super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
         finally:
             _LOADING.reset(token)
+        if check_tau_c(module.hparams.get("tau_c", "model")) is None:
+            module.tau_c = model_temperature(module.clip)
+        return module
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

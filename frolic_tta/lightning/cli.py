@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import (
     ArgsType,
@@ -46,6 +47,8 @@ from frolic_tta.data import FrolicDataModule, ImageFolderDataModule  # noqa: F40
 from frolic_tta.data.datamodules import check_samples_per_rank
 from frolic_tta.errors import FrolicInputError, write_error
 from frolic_tta.lightning.checkpoint import peek_checkpoint, read_head_file
+from frolic_tta.lightning.cli_args import with_logger_save_dir
+from frolic_tta.lightning.cli_errors import FrolicArgumentParser
 from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, FrolicHelpFormatter
 from frolic_tta.lightning.entry import (
     RUN,
@@ -54,6 +57,7 @@ from frolic_tta.lightning.entry import (
     leave_error,
     quiet_libraries,
     report_error,
+    short_warnings,
     unwritable_message,
 )
 from frolic_tta.lightning.module import FrolicModule
@@ -61,7 +65,7 @@ from frolic_tta.lightning.progress import LineProgressBar
 from frolic_tta.lightning.report import FrolicReport
 from frolic_tta.options import FrolicOptions
 
-__all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries"]
+__all__ = ["FrolicCLI", "FrolicCLIError", "main", "quiet_libraries", "with_logger_save_dir"]
 
 DESCRIPTION = (
     "Frolic (NeurIPS 2024): label-free test-time adaptation of a frozen open_clip model. "
@@ -140,6 +144,7 @@ class FrolicCLI(LightningCLI):
     def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
             "model_class": FrolicModule,
+            "parser_class": FrolicArgumentParser,  # an option mistake is one error line
             "datamodule_class": L.LightningDataModule,
             "subclass_mode_data": True,
             "save_config_callback": OutputDirConfig,
@@ -299,6 +304,8 @@ class FrolicCLI(LightningCLI):
             self.trainer.save_checkpoint(path)
         except OSError as error:
             raise FrolicCLIError(write_error(path, error)) from None
+        if self.trainer.is_global_zero:
+            print(f"Checkpoint: {path} (--model.head_file scores with it)", flush=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
@@ -313,7 +320,10 @@ class FrolicCLI(LightningCLI):
             and not any(isinstance(callback, ProgressBar) for callback in callbacks)
         ):  # not saved in config.yaml: the run's configuration is the same at a terminal
             self.trainer_defaults = {**self.trainer_defaults, "callbacks": [LineProgressBar()]}
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (TypeError, MisconfigurationException) as error:  # a --trainer.* value
+            raise FrolicCLIError(f"--trainer: {' '.join(str(error).split())}") from error
 
     @override
     def instantiate_classes(self) -> None:
@@ -324,40 +334,6 @@ class FrolicCLI(LightningCLI):
             if isinstance(cause, USER_ERRORS):
                 raise FrolicCLIError(str(cause)) from error
             raise
-
-
-def _option(argv: list[str], name: str) -> tuple[int, str] | None:
-    """``(index, value)`` of the last ``name VALUE`` or ``name=VALUE`` in ``argv``, or None."""
-    found = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            found = (i + 1, argv[i + 1])
-        elif arg.startswith(name + "="):
-            found = (i, arg.split("=", 1)[1])
-    return found
-
-
-def with_logger_save_dir(argv: list[str]) -> list[str]:
-    """``argv`` plus ``--trainer.logger.save_dir <output_dir>`` where ``--trainer.logger`` names
-    a logger class and no ``save_dir`` is given (the output folder: ``--output_dir``, else the
-    ``--config`` file's ``output_dir``, else ``outputs``)."""
-    logger = _option(argv, "--trainer.logger")
-    if logger is None or logger[1].lower() in ("true", "false", "null", "none", "[]"):
-        return argv
-    if any(arg.startswith("--trainer.logger.save_dir") for arg in argv) or logger[1][:1] in "{[":
-        return argv
-    output_dir = _option(argv, "--output_dir")
-    if output_dir is None and (config := _option(argv, "--config")) is not None:
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(Path(config[1]).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            loaded = {}
-        output_dir = (0, loaded.get("output_dir")) if isinstance(loaded, dict) else None
-    folder = output_dir[1] if output_dir and output_dir[1] else "outputs"
-    at = logger[0] + 1
-    return [*argv[:at], "--trainer.logger.save_dir", str(folder), *argv[at:]]
 
 
 def user_message(error: BaseException) -> str | None:
@@ -380,6 +356,7 @@ def main(args: ArgsType = None) -> None:
     the other ranks exit with status 2 silently.
     """
     quiet_libraries()
+    short_warnings()  # "warning: <message>", not the source line that warns
     with error_folder():
         try:
             FrolicCLI(args=args)

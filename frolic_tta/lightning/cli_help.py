@@ -12,6 +12,12 @@ under ``--data.help CLASS``. :class:`FrolicHelpFormatter` (the ``predict`` parse
 * help text is plain (:func:`plain_text`), long texts are replaced by short ones (:data:`HELP`),
   defaults are given but not types, and tuning options (:data:`TUNING`) are named with their
   defaults only.
+
+Building the parser takes seconds (torch, Lightning, open_clip are imported for the classes'
+signatures: about 8 s of ``train.py predict --help`` on 2 CPU cores). ``train.py`` therefore
+prints the stored text :data:`STORED_HELP` for a bare ``predict --help`` without importing them;
+``python -m frolic_tta.lightning.cli_help`` writes it again, and ``tests/test_cli_help.py``
+checks that it is the parser's own help.
 """
 
 from __future__ import annotations
@@ -20,20 +26,27 @@ import argparse
 import re
 import textwrap
 from argparse import Action
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
-__all__ = ["PREDICT_DESCRIPTION", "FrolicHelpFormatter", "plain_text"]
+__all__ = ["PREDICT_DESCRIPTION", "STORED_HELP", "FrolicHelpFormatter", "plain_text", "write_help"]
+
+STORED_HELP = Path(__file__).with_name("predict_help.txt")
+"""``train.py predict --help`` as the parser prints it 80 columns wide (:func:`write_help`)."""
 
 PREDICT_DESCRIPTION = """\
 Adapt a frozen open_clip model to a test set without labels (Frolic) and score it.
-  python train.py predict --config configs/eurosat_vit_b16.yaml
-  python train.py predict --data ImageFolderDataModule --data.root photos/
+  python train.py predict --config configs/vit_b16.yaml --config configs/datasets/eurosat.yaml
+  python train.py predict --config configs/folder.yaml --data.root photos/
 Options come from --config files and the command line, later ones win (--print_config shows
 the result). Outputs (metrics.json, predictions, head.pt, plots, config.yaml) go to
---output_dir. A callback's options: --trainer.callbacks.help FrolicPredictionWriter.
-Reference: docs/cli.md."""
+--output_dir. A callback's options: --trainer.callbacks.help FrolicPredictionWriter. Offline,
+without weights or data: python -m frolic_tta.demo. Reference: docs/cli.md."""
+"""The ``predict --help`` description: indented lines are examples (each one a command that
+runs; ``tests/test_cli_help.py`` parses them with ``--print_config``), kept as they are; the
+other lines are one paragraph."""
 
 TRAINER_SHOWN = frozenset(
     {
@@ -129,13 +142,15 @@ TITLES = {
 """Group titles by group key (Lightning's come from the classes' docstrings)."""
 
 _GREEK = {"tau": "τ", "beta": "β", "pi": "π", "epsilon": "ε", "gamma": "γ", "mu": "μ",
-          "Sigma": "Σ", "sigma": "σ", "ge": "≥", "le": "≤", "cdot": "·", "ln": "ln", "exp": "exp",
-          "max": "max", "min": "min"}  # fmt: skip
+          "Sigma": "Σ", "sigma": "σ", "omega": "ω", "ge": "≥", "le": "≤", "cdot": "·",
+          "sum": "Σ", "top": "ᵀ", "quad": " ", "ln": "ln", "log": "log", "exp": "exp",
+          "max": "max", "min": "min", "left": "", "right": ""}  # fmt: skip
 
 
 def plain_text(text: str) -> str:
     r"""``text`` without Sphinx/reST markup: roles (``:class:`~a.B``` -> ``B``), inline literals
-    and links, ``.. math::``-style directives, and LaTeX in ``:math:`` (``\tau_c`` -> τ_c)."""
+    and links, ``.. math::``-style directives, and LaTeX in ``:math:`` (``\tau_c`` -> τ_c,
+    ``\mathrm{softmax}`` -> softmax, ``\frac12`` -> 1/2)."""
     text = re.sub(r"^\s*\.\. \w+::.*$", "", text, flags=re.M)  # directives
     text = re.sub(r":math:`([^`]*)`", lambda m: _plain_math(m.group(1)), text)
     text = re.sub(r":\w+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", lambda m: _role_target(m.group(1)), text)
@@ -154,11 +169,26 @@ def _role_target(target: str) -> str:
     return last if last[:1].isupper() else target
 
 
+_ARG = r"(\{[^{}]*\}|\\?[A-Za-z0-9])"  # a LaTeX argument: {group}, a letter or a command
+
+
 def _plain_math(latex: str) -> str:
-    latex = re.sub(r"\\text\{([^}]*)\}", r"\1", latex).replace("\\_", "_")
+    latex = latex.replace("\\_", "_")
+    latex = re.sub(r"\\(?:text|mathrm|operatorname|mathbf|mathit)\s*\{([^}]*)\}", r"\1", latex)
+    latex = re.sub(r"\\frac\s*" + _ARG + r"\s*" + _ARG,
+                   lambda m: f"{_group(m.group(1))}/{_group(m.group(2))}", latex)  # fmt: skip
+    latex = re.sub(r"\\(ln|log|exp)(?=\\|[A-Za-z])", r"\\\1 ", latex)  # ln β, not lnβ
     latex = re.sub(r"\\([A-Za-z]+)", lambda m: _GREEK.get(m.group(1), m.group(0)), latex)
     latex = re.sub(r"\\hat\s*(\w)", "\\1\u0302", latex)
-    return re.sub(r"\\(?=[A-Za-z])", "", latex).replace("{", "").replace("}", "")
+    latex = re.sub(r"\\tilde\s*(\w)", "\\1\u0303", latex)
+    latex = re.sub(r"\\(?=[A-Za-z])", "", latex).replace("{", "").replace("}", "")
+    return re.sub(r"  +", " ", latex)
+
+
+def _group(argument: str) -> str:
+    r"""A ``\frac`` argument as text: ``{a + b}`` -> ``(a + b)``, ``{x}`` or ``x`` -> ``x``."""
+    inner = argument[1:-1] if argument.startswith("{") else argument
+    return f"({inner})" if re.search(r"[\s+\-*/]", inner.strip()) else inner
 
 
 class FrolicHelpFormatter(DefaultHelpFormatter):
@@ -227,12 +257,20 @@ class FrolicHelpFormatter(DefaultHelpFormatter):
         return text + " (default: %(default)s)"
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        """Descriptions keep their line breaks (the examples stay one per line)."""
-        lines = []
-        for line in plain_text(text).splitlines():
-            lead = indent + line[: len(line) - len(line.lstrip())]
-            lines.append(textwrap.fill(line.strip(), width, initial_indent=lead,
-                                       subsequent_indent=lead) if line.strip() else "")  # fmt: skip
+        """Descriptions: indented lines (the examples) as they are, one per line; the other
+        lines are wrapped as one paragraph."""
+        lines: list[str] = []
+        prose: list[str] = []
+        for line in [*plain_text(text).splitlines(), ""]:
+            if line.strip() and not line.startswith(" "):
+                prose.append(line.strip())
+                continue
+            if prose:
+                lines.append(textwrap.fill(" ".join(prose), width, initial_indent=indent,
+                                           subsequent_indent=indent))  # fmt: skip
+                prose = []
+            if line.strip():
+                lines.append(indent + line)
         return "\n".join(lines)
 
 
@@ -277,3 +315,30 @@ def _class_actions(class_path: str) -> list[Action]:
         getattr(importlib.import_module(module), name), "data", skip={"preprocess"}
     )
     return [a for a in parser._actions if a.dest.startswith("data.") and not _hidden(a)]
+
+
+def write_help(path: Path = STORED_HELP) -> str:
+    """Write the parser's ``predict --help`` (80 columns wide) to ``path`` and return it."""
+    import contextlib
+    import io
+    import os
+
+    from frolic_tta.lightning.cli import main
+
+    out, columns = io.StringIO(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            main(["predict", "--help"])
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    path.write_text(out.getvalue(), encoding="utf-8")
+    return out.getvalue()
+
+
+if __name__ == "__main__":  # python -m frolic_tta.lightning.cli_help: refresh STORED_HELP
+    write_help()
+    print(f"wrote {STORED_HELP}")

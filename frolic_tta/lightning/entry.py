@@ -3,7 +3,8 @@ rank runs it): keep the libraries quiet, and bring a user error raised on one ra
 as one line.
 
 :func:`quiet_libraries` drops Lightning's advertising tips and the libraries' own deprecation
-notices (a user cannot act on them).
+notices (a user cannot act on them); :func:`short_warnings` prints the package's own warnings
+as their message.
 
 Rank 0 creates a temporary folder and exports :data:`ERROR_DIR` before Lightning launches the
 other processes (they inherit it). A rank with a user error leaves its message there
@@ -49,6 +50,7 @@ __all__ = [
     "leave_error",
     "quiet_libraries",
     "report_error",
+    "short_warnings",
     "wait_for_report",
 ]
 
@@ -177,6 +179,26 @@ class _NoTips(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+_PACKAGE = f"{os.sep}frolic_tta{os.sep}"
+
+
+def short_warnings() -> None:
+    """On the command line, a warning of the package is ``warning: <message>``: a user reads
+    what happened, not the source line that said so (``.../samples.py:124: UserWarning: ...``).
+    Other libraries' warnings keep Python's format (where they come from is the point)."""
+    if getattr(warnings.formatwarning, "frolic", False):
+        return
+    plain = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):  # type: ignore[no-untyped-def]
+        if _PACKAGE in str(filename):
+            return f"warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    formatwarning.frolic = True  # type: ignore[attr-defined]
+    warnings.formatwarning = formatwarning
 
 
 def quiet_libraries() -> None:

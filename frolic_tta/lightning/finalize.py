@@ -88,7 +88,8 @@ def finalize(
     samples.check_counts(counts, run.dataset_length, run.skipped)
     used = counts["used"]
     features = run.features.rows()
-    progress = FinalizeProgress(trainer, reduce_fn, used, run.prototypes.shape[0])
+    k = run.prototypes.shape[0]  # the phases: [i/n], in order
+    progress = FinalizeProgress(trainer, reduce_fn, used, k, options=settings.options)
     sums = checked_sums(computed, run.stored, progress.say)  # None: fit_frolic's own
     fit = fit_frolic(
         features,

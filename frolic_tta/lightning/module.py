@@ -133,12 +133,13 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         resolve_templates(templates)  # a bad key or file fails here, before any weights load
         if prompts_file is not None:
             load_descriptions(prompts_file)
-        samples.check_fraction(max_skipped_fraction)
+        samples.check_arguments(self.hparams)  # flags are bools, the fraction in [0, 1]
         samples.check_sizes(text_batch_size, chunk_size, self.class_names)
         stored = ckpt.read_stored_head(head_file) if head_file is not None else None
-        if stored is not None:
-            names = ckpt.head_class_names(stored.head, self.class_names, stored.class_names)
-            self.class_names = names
+        if stored is not None:  # matched to the given classes by name, in their order
+            head, self.class_names, order = ckpt.head_class_names(
+                stored.head, self.class_names, stored.class_names
+            )
         #: The callback that adapts (registered by :meth:`configure_callbacks`).
         self.adaptation = FrolicAdaptation(
             encoded_prototypes,
@@ -151,7 +152,7 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
             max_skipped_fraction=max_skipped_fraction,
             chunk_size=chunk_size,
         )
-        self.head = None if stored is None else stored.head
+        self.head = None if stored is None else head
         self.reuse_head = reuse_head or head_file is not None
         self.clip, self.preprocess, self.tokenizer, self.encoder_ = ckpt.load_clip(
             model_name, pretrained, stored, save_clip_weights and ckpt.loading_checkpoint()
@@ -159,9 +160,8 @@ class FrolicModule(ckpt.CheckpointHooks, L.LightningModule):
         self.tau_c = model_temperature(self.clip) if fixed_tau_c is None else fixed_tau_c
         ckpt.check_head_dim(self.head, self.clip, model_name)
         if stored is not None:
-            source = f"`head_file` '{head_file}'"
-            mismatch = allow_head_mismatch
-            check_provenance(stored.provenance, self.provenance(), source, allow_mismatch=mismatch)
+            source, mine = f"`head_file` '{head_file}'", self.provenance(order)  # the head's order
+            check_provenance(stored.provenance, mine, source, allow_mismatch=allow_head_mismatch)
         self.images_encoded = 0
         self._online: OnlineAnswers | None = None  # (configure_callbacks, if ``online``)
 

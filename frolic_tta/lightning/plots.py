@@ -115,7 +115,7 @@ def plot_priors(priors: Priors, names: list[str], output_dir: str | Path, title:
     r"""The estimated priors per class, sorted by the zero-shot model's pre-training prior, log
     scale: :math:`\hat\beta` of the zero-shot model (Proposition 2 on :math:`f_c/\tau_c`),
     the fused classifier's label bias, and the test prior :math:`\tilde\pi`; undetermined
-    classes are marked with an x.
+    classes are marked with an x (and the title and legend say so only where there is one).
 
     Args:
         priors: :class:`~frolic_tta.prior.Priors` of the fit.
@@ -133,14 +133,20 @@ def plot_priors(priors: Priors, names: list[str], output_dir: str | Path, title:
         (zero_shot, priors.zero_shot_beta_undetermined, "pre-training prior (zero-shot)"),
         (priors.beta, priors.beta_undetermined, "label bias of f_f"),
     )
+    marked = False  # an "x" is explained only where one is drawn
     for values, undetermined, label in series:
         values = _check(values, names, f"`{label}`")[order]
         ax.plot(range(len(names)), values, marker="o" if len(names) <= 40 else None, label=label)
         flagged = undetermined.cpu()[order].nonzero().flatten().tolist()
-        ax.scatter(flagged, values[flagged], marker="x", color="black", zorder=3)
+        if flagged:
+            x_label = None if marked else "x: not determined by the data"
+            ax.scatter(flagged, values[flagged], marker="x", color="black", zorder=3,
+                       label=x_label)  # fmt: skip
+            marked = True
     test = _check(priors.test_prior, names, "`test_prior`")[order]
     ax.plot(range(len(names)), test, label=_test_prior_label(priors, test), **TEST_PRIOR_STYLE)
     ax.set_yscale("log")
     ax.set_ylabel("probability")
-    ax.set_title(_title(title, "estimated priors per class (x: not determined by the data)"))
+    caption = " (x: not determined by the data)" if marked else ""
+    ax.set_title(_title(title, "estimated priors per class" + caption))
     return _finish(ax, order, names, Path(output_dir) / "priors.png", fig)

@@ -24,15 +24,28 @@ from lightning.pytorch.callbacks import ProgressBar
 from torch import Tensor
 from typing_extensions import override
 
+from frolic_tta.options import FrolicOptions
 from frolic_tta.prior import Priors
 from frolic_tta.progress import LineProgress
 
-__all__ = ["FinalizeProgress", "LineProgressBar"]
+__all__ = ["FinalizeProgress", "LineProgressBar", "expected_phases"]
 
 log = logging.getLogger("frolic_tta")
 
 PHASES = ("temperature", "test prior", "label bias", "zero-shot prior")
-"""The phases :func:`frolic_tta.fit_frolic` reports, in the default's order (then ``"done"``)."""
+"""The phases :func:`frolic_tta.fit_frolic` reports (then ``"done"``), in no fixed order."""
+
+
+def expected_phases(options: FrolicOptions) -> int:
+    """How many phases :func:`frolic_tta.fit_frolic` reports with ``options``, as
+    :mod:`frolic_tta.pipeline` orders them (one more where the zero-shot prior's box needs a
+    matching of its own: decided on the data, counted when it comes)."""
+    debiased = options.head_labels == "debiased" and options.covariance == "soft"
+    debiased = debiased and options.zero_shot != "inmap_both"  # the head's labels debiased
+    first = 1 if debiased else 0  # "test prior" (em) or "zero-shot prior" (uniform)
+    later_prior = 1 if options.test_prior == "em" and not debiased else 0
+    last = 0 if debiased and options.bias == "soft" else 1  # "zero-shot prior" at the end
+    return first + 1 + later_prior + 1 + last  # + "temperature" + "label bias"
 
 
 class FinalizeProgress:
@@ -41,7 +54,11 @@ class FinalizeProgress:
     Args:
         trainer: the running Trainer (its global rank and progress bar are used).
         reduce_fn: the dataset-wide sum; :meth:`reduce` calls it and counts the call.
+        num_samples: N, for the first line.
+        num_classes: K, for the first line.
         interval: least seconds between two lines within one phase.
+        options: the fit's options: phases are numbered ``[i/n]`` in the order they come,
+            ``n`` from :func:`expected_phases` (without: ``[i]``).
     """
 
     def __init__(
@@ -51,8 +68,10 @@ class FinalizeProgress:
         num_samples: int,
         num_classes: int,
         interval: float = 10.0,
+        options: FrolicOptions | None = None,
     ) -> None:
         self.trainer, self.reduce_fn, self.interval = trainer, reduce_fn, interval
+        self.step, self.total = 0, None if options is None else expected_phases(options)
         self.started = self.last_line = time.perf_counter()
         self.phase, self.phase_passes, self.passes = "moments", 0, 0
         self.seconds: dict[str, float] = {}
@@ -77,8 +96,11 @@ class FinalizeProgress:
         self.phase, self.phase_passes, self._phase_started = phase, 0, now
         if phase == "done":
             return
-        step = PHASES.index(phase) + 1 if phase in PHASES else 0
-        self.say(f"[{step}/{len(PHASES)}] {phase} ({now - self.started:.1f} s)")
+        self.step += 1
+        if self.total is not None:
+            self.total = max(self.total, self.step)  # the zero-shot prior's own box matching
+        of = "" if self.total is None else f"/{self.total}"
+        self.say(f"[{self.step}{of}] {phase} ({now - self.started:.1f} s)")
 
     def finish(self, tau_g: float, priors: Priors) -> dict[str, dict[str, float]]:
         """The closing line; returns seconds and passes per phase."""

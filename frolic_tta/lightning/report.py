@@ -52,7 +52,7 @@ from frolic_tta.lightning.online import find_online, online_summary, plot_online
 from frolic_tta.lightning.outcome import DescribesModel, ModelDescription, predict_loader
 from frolic_tta.lightning.plots import plot_class_probability, plot_priors
 from frolic_tta.lightning.provenance import KEY as PROVENANCE
-from frolic_tta.lightning.summary_table import format_table, short_name
+from frolic_tta.lightning.summary_table import format_outputs, format_table, short_name
 from frolic_tta.lightning.writer import FrolicPredictionWriter, join_predictions, save_file
 from frolic_tta.metrics import ROW_METRICS, metric_key
 from frolic_tta.rows import ROWS
@@ -118,12 +118,14 @@ class FrolicReport(FrolicPredictionWriter):
         #: The summary written to ``metrics.json`` (rank 0, after predict).
         self.summary: dict[str, Any] = {}
         self._table_due = False
+        #: The files the last predict wrote in ``output_dir`` (rank 0), in order.
+        self.written: list[str] = []
         #: Images encoded over all ranks in the last predict (0 when read from a feature store).
         self.images_encoded: int | None = None
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.summary, self._table_due = {}, False
+        self.summary, self._table_due, self.written = {}, False, []
         if trainer.is_global_zero:
             for stale in self.output_dir.glob("predictions_rank*.pt"):
                 stale.unlink()
@@ -149,6 +151,10 @@ class FrolicReport(FrolicPredictionWriter):
         if self._table_due:  # the progress bar has closed: the table gets lines of its own
             self._table_due = False
             print(format_table(self.summary), flush=True)
+        if self.written:  # rank 0: where the files are (config.yaml: the CLI's, if there)
+            config = ["config.yaml"] if (self.report_dir / "config.yaml").is_file() else []
+            print(format_outputs(self.report_dir, self.written + config), flush=True)
+            self.written = []
 
     # ------------------------------------------------------------------ writing
     def write(self, trainer: L.Trainer, module: L.LightningModule, joined: dict[str, Any]) -> None:
@@ -169,6 +175,8 @@ class FrolicReport(FrolicPredictionWriter):
                 "classifier": _cpu(outcome.head.to_module().state_dict()),
                 "class_names": names,
                 PROVENANCE: model.provenance,
+                "encoder_options": {key: module.hparams.get(key)  # what a reuse must pass
+                                    for key in ("model_name", "pretrained")},  # fmt: skip
             },
             out / "head.pt",
         )
@@ -181,7 +189,7 @@ class FrolicReport(FrolicPredictionWriter):
             self.summary["online"] = online_summary(joined, find_online(trainer))
             write_online_csv(out / "online.csv", joined, names)
         (out / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
-        probability = outcome.class_probability
+        probability, online_plot = outcome.class_probability, []
         if self.plots:
             title = f"{self.summary['dataset']}, {self.summary['model']}"
             if probability:
@@ -189,9 +197,13 @@ class FrolicReport(FrolicPredictionWriter):
                     probability["before"], probability["after"], names, out, title
                 )
             plot_priors(outcome.priors, names, out, title)
-            if online:
-                plot_online(joined, out, title)
+            if online and plot_online(joined, out, title) is not None:
+                online_plot = ["online_accuracy.png"]
         self._table_due = self.print_table
+        plots = ["class_probability.png"] if self.plots and probability else []
+        plots += ["priors.png"] if self.plots else []
+        plots += (["online.csv"] if online else []) + online_plot
+        self.written = ["metrics.json", "predictions.csv", "logits.pt", "head.pt", *plots]
 
     @staticmethod
     def _write_csv(

@@ -19,6 +19,7 @@ share is exceeded, and after the last batch on the all-reduced counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -42,6 +43,29 @@ def check_fraction(value: float, name: str = "max_skipped_fraction") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"Expected `{name}` to be a number in [0, 1], but got {value!r}")
     return float(value)
+
+
+FLAGS = ("ablations", "return_logits", "reuse_head", "allow_head_mismatch", "save_clip_weights",
+         "online")  # fmt: skip
+"""``FrolicModule``'s ``bool`` arguments."""
+
+
+def check_arguments(hparams: Mapping[str, Any]) -> None:
+    """``FrolicModule``'s flags are ``True`` or ``False`` (the string ``"false"`` would turn
+    ``online`` on) and ``max_skipped_fraction`` a number in [0, 1] (checked when it is built).
+
+    Raises:
+        TypeError: a flag is not a ``bool``.
+        ValueError: ``max_skipped_fraction`` is not a number in [0, 1].
+    """
+    for name in FLAGS:
+        value = hparams.get(name, False)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"Expected `{name}` to be True or False, but got {type(value).__name__} "
+                f"{value!r:.40}"
+            )
+    check_fraction(hparams.get("max_skipped_fraction", 0.05))
 
 
 def check_sizes(text_batch_size: Any, chunk_size: Any, class_names: list[str] | None) -> None:

@@ -44,11 +44,13 @@ def format_table(summary: dict[str, Any]) -> str:
     accuracy = summary["accuracy"]
     if accuracy:
         width = max(len(row) for row in accuracy)
-        header = "  ".join(f"{name:>7}" for name in ("top-1", "top-5", "recall", "ECE", "NLL"))
+        kinds = ("top5", "recall", "ece", "nll")
+        top = f"top-{min(5, summary['num_classes'])}"  # top-K where K < 5, as it is computed
+        header = "  ".join(f"{name:>7}" for name in ("top-1", top, "recall", "ECE", "NLL"))
         lines.append(f"  {'row':<{width}}  {header}  description")
         for row, value in accuracy.items():
             cells = [f"{100 * value:.2f}%"]
-            for kind in ("top5", "recall", "ece", "nll"):
+            for kind in kinds:
                 v = summary.get(kind, {}).get(row)
                 percent = kind in ("top5", "recall")
                 cells.append("-" if v is None else f"{100 * v:.2f}%" if percent else f"{v:.3f}")
@@ -75,5 +77,35 @@ def format_table(summary: dict[str, Any]) -> str:
         count = beta.get("undetermined")
         undetermined = f", {count} undetermined" if count else ""
         lines.append(f"  {key}: max/min {beta['max_over_min']:.3g}{undetermined} ({what})")
+    if summary.get("online"):
+        lines.append(_online_line(summary["online"]))
     lines += [f"  note: {note}" for note in summary.get("notes", [])]
     return "\n".join(lines)
+
+
+def _online_line(online: dict[str, Any]) -> str:
+    """Online mode's result (``metrics.json``'s ``online``): the accuracy of the answers as
+    they were given, beside zero-shot's and the end of stream's, and the refits."""
+    refits = [r["seen"] for r in online.get("refits", [])]
+    at = f" (at n = {', '.join(map(str, refits))})" if refits else ""
+    accuracy = online.get("accuracy")
+    if not accuracy:
+        return (
+            f"  online: {online['seen']} answers in {online['steps']} steps, {len(refits)} "
+            "refits (no labels: no accuracy)"
+        )
+    below = (
+        ": below zero-shot (a stream whose early batches hold few classes?)"
+        if accuracy["online"] < accuracy["zero_shot"]
+        else ""
+    )
+    return (
+        f"  online: {100 * accuracy['online']:.2f}% as answered (zero-shot "
+        f"{100 * accuracy['zero_shot']:.2f}%, end of stream "
+        f"{100 * accuracy['end_of_stream']:.2f}%), {len(refits)} refits{at}{below}"
+    )
+
+
+def format_outputs(folder: str | Path, files: list[str]) -> str:
+    """The line that says where a run's outputs are: ``Outputs in <folder>/: a, b, c``."""
+    return f"Outputs in {str(folder).rstrip('/')}/: {', '.join(files)}"
