@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from frolic_tta.lightning.cli import main
-from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, STORED_HELP, plain_text, write_help
+from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, STORED_HELP, plain_text
+from frolic_tta.lightning.help_file import write_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +119,7 @@ def test_the_stored_help_is_the_parsers_and_train_py_prints_it_without_torch(tmp
     """train.py prints STORED_HELP for a bare `predict --help` (the parser imports torch,
     Lightning and open_clip first: about 8 s on 2 CPU cores)."""
     assert write_help(tmp_path / "help.txt") == STORED_HELP.read_text(encoding="utf-8"), (
-        "the stored help is stale: python -m frolic_tta.lightning.cli_help"
+        "the stored help is stale: python -m frolic_tta.lightning.help_file"
     )
     done = subprocess.run(
         [sys.executable, "-X", "importtime", str(ROOT / "train.py"), "predict", "--help"],

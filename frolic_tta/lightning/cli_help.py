@@ -16,7 +16,7 @@ under ``--data.help CLASS``. :class:`FrolicHelpFormatter` (the ``predict`` parse
 Building the parser takes seconds (torch, Lightning, open_clip are imported for the classes'
 signatures: about 8 s of ``train.py predict --help`` on 2 CPU cores). ``train.py`` therefore
 prints the stored text :data:`STORED_HELP` for a bare ``predict --help`` without importing them;
-``python -m frolic_tta.lightning.cli_help`` writes it again, and ``tests/test_cli_help.py``
+``python -m frolic_tta.lightning.help_file`` writes it again, and ``tests/test_cli_help.py``
 checks that it is the parser's own help.
 """
 
@@ -31,10 +31,11 @@ from typing import Any
 
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
-__all__ = ["PREDICT_DESCRIPTION", "STORED_HELP", "FrolicHelpFormatter", "plain_text", "write_help"]
+__all__ = ["PREDICT_DESCRIPTION", "STORED_HELP", "FrolicHelpFormatter", "plain_text"]
 
 STORED_HELP = Path(__file__).with_name("predict_help.txt")
-"""``train.py predict --help`` as the parser prints it 80 columns wide (:func:`write_help`)."""
+"""``train.py predict --help`` as the parser prints it 80 columns wide
+(:func:`~frolic_tta.lightning.help_file.write_help`)."""
 
 PREDICT_DESCRIPTION = """\
 Adapt a frozen open_clip model to a test set without labels (Frolic) and score it.
@@ -315,30 +316,3 @@ def _class_actions(class_path: str) -> list[Action]:
         getattr(importlib.import_module(module), name), "data", skip={"preprocess"}
     )
     return [a for a in parser._actions if a.dest.startswith("data.") and not _hidden(a)]
-
-
-def write_help(path: Path = STORED_HELP) -> str:
-    """Write the parser's ``predict --help`` (80 columns wide) to ``path`` and return it."""
-    import contextlib
-    import io
-    import os
-
-    from frolic_tta.lightning.cli import main
-
-    out, columns = io.StringIO(), os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "80"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            main(["predict", "--help"])
-    finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
-    path.write_text(out.getvalue(), encoding="utf-8")
-    return out.getvalue()
-
-
-if __name__ == "__main__":  # python -m frolic_tta.lightning.cli_help: refresh STORED_HELP
-    write_help()
-    print(f"wrote {STORED_HELP}")
