@@ -41,6 +41,8 @@ become an absorbing state.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -224,31 +226,12 @@ def _solve_released(
 
 
 def _solve_soft(
-    source: LogitSource,
-    target: Tensor,
-    *,
-    bound: float | None,
-    eps: float,
-    max_iter: int,
-    prior_floor: float,
-    reduce_fn: ReduceFn,
-    name: str,
-    init: Tensor | None,
-    spare: Tensor | None = None,
+    source: LogitSource, target: Tensor, *, name: str, **solver: Any
 ) -> MassMatch:
-    """``"soft"`` and the Oracle: the debiased class masses matched to ``target``."""
-    result = match_class_masses(
-        source,
-        target,
-        spare=spare,
-        init=init,
-        bound=bound,
-        eps=eps,
-        max_iter=max_iter,
-        prior_floor=prior_floor,
-        reduce_fn=reduce_fn,
-    )
-    warn_about_match(result, source.num_classes, max_iter, eps, name)
+    """``"soft"`` and the Oracle: the debiased class masses matched to ``target``
+    (``solver``: :func:`~frolic_tta.matching.match_class_masses`' keywords)."""
+    result = match_class_masses(source, target, **solver)
+    warn_about_match(result, source.num_classes, solver["max_iter"], solver["eps"], name)
     return result
 
 
@@ -350,14 +333,8 @@ def estimate_label_bias(
     Returns:
         ``(K,)`` float64, positive, sums to 1.
     """
+    limits = {"eps": eps, "max_iter": max_iter, "prior_floor": prior_floor}
     return fit_label_bias(
-        logits,
-        method=method,
-        target=target,
-        bound=bound,
-        labels=labels,
-        eps=eps,
-        max_iter=max_iter,
-        prior_floor=prior_floor,
-        reduce_fn=reduce_fn,
-    ).beta
+        logits, method=method, target=target, bound=bound, labels=labels, reduce_fn=reduce_fn,
+        **limits,
+    ).beta  # fmt: skip

@@ -121,7 +121,9 @@ def test_two_models_two_datasets_two_options(
                     "data": {"class_path": "ImageFolderDataModule", "root": str(second_folder)}
                 },
             },
-            options={"default": {}, "paper": {"covariance": "paper", "bias": "paper"}},
+            # Algorithm 2's label bias; Eq. 7's covariance is singular on these 21 images in
+            # 32 dimensions, which is an error since issue 35 (it was accepted with 1e-19 pivots)
+            options={"default": {}, "paper": {"bias": "paper"}},
         )
     )
     said: list[str] = []
