@@ -39,6 +39,7 @@ NUMERIC = (
     "tests/test_precision.py",
     "tests/test_metrics.py",
     "tests/test_store_moments.py",
+    "tests/test_estimator_edges.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""
