@@ -211,12 +211,12 @@ def _sums(
         posterior.div_(norm)
         count += posterior.shape[0]
         log_partition += float((top + norm.log()).sum(dtype=torch.float64))
+        if products is not None:  # the Newton direction only: its rounding moves the path,
+            products += (posterior.T @ posterior).double().cpu()  # not the fixed point
         if source.exact:  # sums over samples in float64: no rounding that follows the chunks
             posterior = posterior.double()
         column = posterior.sum(0)
         mass += column.double().cpu()
-        if products is not None:
-            products += (posterior.T @ posterior).double().cpu()
         curvature += (column - posterior.square_().sum(0)).double().cpu()
     return _MassSums(count, log_partition, mass, curvature, products)
 

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp, identity_reduce, workspace
+from frolic_tta.logits import (
+    EXACT_PRODUCTS,
+    LogitSource,
+    ReduceFn,
+    flushed_exp,
+    identity_reduce,
+    workspace,
+)
 from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, newton_weights
 
 
@@ -89,14 +96,6 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
 NEWTON_AFTER = 100
 """EM passes after which a solve that has not converged goes on by Newton steps
 (:mod:`frolic_tta.mixture_newton`); EM's stops in the benchmark worlds take 1 to 19."""
-NEWTON_AFTER_EXACT = 100
-r"""The same where the passes are exact (:func:`~frolic_tta.logits.exact_arithmetic`), where
-EM's step test also hands over to Newton: EM converges linearly, so where the likelihood is
-flat a step below ``tol`` can leave :math:`\hat\pi` far from the maximiser, at a point that
-follows the path (on ``tests/data/encoder_world.pt`` 1 and 2 shards stopped 1e-4 apart in
-:math:`\hat\pi`, at 480 passes). Newton's steps end at the fixed point itself (one step past
-its tolerance, :func:`~frolic_tta.mixture_newton.newton_weights`): shards agree to 1e-14
-there, in 130 passes."""
 LOG_STEP = 5.0
 r"""Largest change of one ln-weight in a jump in :math:`\ln\pi` (a factor of about 150)."""
 
@@ -190,10 +189,15 @@ def mixture_weights(
         gap = float(at.gradient.max() - at.count)
         return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap) <= below
 
-    polish = source.exact and k <= MAX_COLUMNS  # end at the fixed point: Newton's
     passes, converged = 0, False
     first, at_pi = step(pi)
     passes += 1
+    # where the passes are exact and the Newton phase's Hessian is cheap (N K^2 <=
+    # EXACT_PRODUCTS), EM's step test hands over to Newton, which ends at the fixed point (one
+    # step past its tolerance): EM converges linearly, so on a flat likelihood a step below
+    # tol can leave pi-hat far from the maximiser, at a point that follows the path (on
+    # tests/data/encoder_world.pt 1 and 2 shards stopped 1.7e-4 apart; now 1e-14)
+    polish = source.exact and k <= MAX_COLUMNS and float(at_pi.count) * k * k <= EXACT_PRODUCTS
     while passes < max_passes:
         if certain(at_pi, pi):
             converged = True
@@ -201,7 +205,7 @@ def mixture_weights(
         if float((first - pi).abs().sum()) < tol:
             pi, converged = first, at_pi.optimality_gap() <= KKT_TOL and not polish
             break
-        if passes >= (NEWTON_AFTER_EXACT if polish else NEWTON_AFTER) and k <= MAX_COLUMNS:
+        if passes >= NEWTON_AFTER and k <= MAX_COLUMNS:
             break
         second, at_first = step(first)
         passes += 1
