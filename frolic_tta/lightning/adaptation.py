@@ -194,6 +194,7 @@ class FrolicAdaptation(Callback):
         self._partial = False
         self._last_batch = -1
         self._strategy: Any = None
+        self._world = 0  # the predict's world size
 
     @property
     def outcome(self) -> PredictOutcome:
@@ -209,7 +210,10 @@ class FrolicAdaptation(Callback):
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over ranks through ``trainer.strategy`` (the one collective of
-        the adaptation and its listeners)."""
+        the adaptation and its listeners); a copy of ``tensor`` in a one-process run (no
+        round trip of the solvers' host sums to the device and back)."""
+        if self._world == 1:
+            return tensor.clone()
         device = self.prototypes_.device if self.prototypes_ is not None else tensor.device
         reduced = self._strategy.reduce(tensor.to(device).clone(), reduce_op="sum")
         return reduced.to(tensor.device)
@@ -219,6 +223,7 @@ class FrolicAdaptation(Callback):
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_outcome, self._run, self.prototypes_, self.tau_c_ = None, None, None, None
         self.batch_features, self.samples_seen, self._strategy = None, 0, trainer.strategy
+        self._world = trainer.world_size
         if self.reuse_head and self.head is None:
             raise FrolicInputError(
                 "Expected a stored head with `reuse_head`=True, but this module has none (a "
