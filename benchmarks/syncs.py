@@ -15,11 +15,14 @@ by the caller) and the line that caused it (the innermost frame outside torch an
 * **CPU** (no device to wait for): a simulation. Tensors given to :meth:`SyncCounter.on_device`
   and every tensor an op computes from one of them count as device-resident; host reads of them,
   host copies to and from them and data-dependent shapes are counted where a GPU run would
-  synchronise. Limits: a tensor made on the device by a factory (``torch.zeros(...,
-  device=x.device)``) counts as a host tensor (``torch.tensor(data, device=<torch.device>)`` is
-  counted as a blocking copy); ``t.to(d)`` with ``d`` a ``torch.device`` counts as a copy to the
-  device when ``t`` is a host tensor and as a no-op when it is already on the device, except
-  in Lightning's code, where it is the move of the outputs to the host.
+  synchronise. What is on the device is guessed where a real device would be named: a tensor
+  made with ``device=<a torch.device>`` (``torch.zeros(..., device=x.device)``; from host data,
+  ``torch.tensor(data, device=...)``, it is a blocking copy) is on the device, one made with
+  ``device="cpu"`` or none on the host; ``t.to(d)`` with ``d`` a ``torch.device`` counts as a
+  copy to the device when ``t`` is a host tensor and as a no-op when it is already on the
+  device, except in Lightning's code, where it is the move of the outputs to the host; a
+  ``copy_`` between a host and a device tensor is a copy. Code that branches on
+  ``device.type == "cpu"`` takes its CPU branch (:data:`CPU_ONLY` lists the known ones).
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
-_SKIP = (str(Path(torch.__file__).parent), __file__)
+_SKIP = (str(Path(torch.__file__).parent), __file__, warnings.__file__)
 _SHAPE_OPS = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
               "unique_dim", "repeat_interleave", "argwhere"}  # fmt: skip
 """Ops whose output shape depends on the values (a device->host read of a count)."""
+FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "eye",
+             "linspace", "randn", "rand", "randint")  # fmt: skip
+"""Functions whose result the CPU simulation puts on the device when given a ``torch.device``."""
 
 
 CPU_ONLY = {"flushed_exp"}
@@ -132,8 +138,13 @@ class SyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        name = func.__name__.split(".")[0]
+        if name == "copy_" and self.is_device(args[0]) != self.is_device(args[1]):
+            if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+                to = "device" if self.is_device(args[0]) else "host"
+                self.record(f"copy to {to} (copy_)")
+            return out  # the destination stays where it is
         if any(self.is_device(t) for t in inputs):
-            name = func.__name__.split(".")[0]
             self.ops[self.phase] += 1
             if name in _SHAPE_OPS:
                 self.record(name)
@@ -189,11 +200,14 @@ class SyncCounter(TorchDispatchMode):
 
         def factory(name: str) -> Any:
             function = original[name] = getattr(torch, name)
+            copies = name in ("tensor", "as_tensor")  # from host data: a blocking copy
 
             def make(*a: Any, **k: Any) -> torch.Tensor:
                 out = function(*a, **k)
                 if isinstance(k.get("device"), torch.device):
-                    if not (isinstance(a[0], torch.Tensor) and counter.is_device(a[0])):
+                    given = a[0] if a else k.get("data")
+                    on_device = isinstance(given, torch.Tensor) and counter.is_device(given)
+                    if copies and not on_device:
                         counter.record(f"copy to device (torch.{name}(..., device=))")
                     counter.on_device(out)
                 return out
@@ -208,7 +222,7 @@ class SyncCounter(TorchDispatchMode):
         self._own = {name for name in patches if name in vars(torch.Tensor)}
         for name, patch in patches.items():
             setattr(torch.Tensor, name, patch)
-        for name in ("tensor", "as_tensor"):
+        for name in FACTORIES:
             setattr(torch, name, factory(name))
         self._saved = original
 
@@ -219,7 +233,7 @@ class SyncCounter(TorchDispatchMode):
 
     def _unpatch(self) -> None:
         for name, method in self._saved.items():
-            if name in ("tensor", "as_tensor"):
+            if name in FACTORIES:
                 setattr(torch, name, method)
             elif name in self._own:
                 setattr(torch.Tensor, name, method)
