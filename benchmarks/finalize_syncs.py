@@ -23,8 +23,8 @@ only; the best and the median; on CUDA the peak memory above what was allocated 
 finalize: features, prototypes, sums and kept logits); one **phases** run (a synchronisation
 at each phase boundary, so each phase's seconds are its own); one **counted** run
 (:class:`syncs.SyncCounter`: the CUDA sync debug mode, or the CPU simulation); on CUDA one
-**profiled** run (``torch.profiler``, a ``record_function`` range per phase:
-:func:`syncs.profile_counts`).
+**profiled** run without the metrics (``torch.profiler``, a ``record_function`` range per
+phase: :func:`syncs.profile_counts`). The reduce function is the identity (one process).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            finalize(data, Clock(device, sync=False, ranges=True), args.metrics)
+            finalize(data, Clock(device, sync=False, ranges=True), metrics=False)
         profiled = profile_counts(prof, list(PHASES))
     phases = [p for p in PHASES if p in phased.seconds]
     return {

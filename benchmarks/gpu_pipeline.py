@@ -139,7 +139,9 @@ def run_method(method: str, setup: dict[str, Any], n: int, counter: SyncCounter 
                ) -> dict[str, Any]:  # fmt: skip
     """One run of ``method`` on ``n`` images: wall seconds, finalize seconds, predictions."""
     args = setup["args"]
-    data = MemoryImages(n, size=setup["size"])
+    if n not in setup["data"]:  # the images made once per size of run
+        setup["data"][n] = MemoryImages(n, size=setup["size"])
+    data = setup["data"][n]
     loader = DataLoader(data, batch_size=args.batch_size, num_workers=args.workers,
                         pin_memory=setup["device"].type == "cuda")  # fmt: skip
     callbacks: list[L.Callback] = [] if counter is None else [Marks(counter)]
@@ -221,6 +223,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "zero_shot": ZeroShot(clip, prototypes, features_only=False),
         "features": ZeroShot(clip, prototypes, features_only=True),
         "prompt_s": prompt_s,
+        "data": {},
     }
 
 
