@@ -112,14 +112,21 @@ class FrolicMoments(Metric):
         self.add_state("zero_shot_deficit", torch.zeros((), dtype=f64), dist_reduce_fx="sum")
         self.add_state("zero_shot_margin", torch.zeros((), dtype=f64), dist_reduce_fx="sum")
 
-    def update(self, features: Tensor) -> None:
+    def update(self, features: Tensor, check_finite: bool = True) -> None:
         """Add a batch of features ``(n, d)`` (any float dtype; accumulated in float64).
+
+        Args:
+            features: the batch.
+            check_finite: raise on NaN or inf; ``False`` where the caller has checked the
+                values already (on a GPU the check reads a flag back: one host
+                synchronisation per batch).
 
         Raises:
             ValueError: ``features`` is not a 2-D floating tensor with d columns, or holds NaN
                 or inf (checked as in :func:`frolic_tta.frolic`).
         """
-        check_matrix("features", features, min_rows=0, cols=self.prototypes.shape[1])
+        cols = self.prototypes.shape[1]
+        check_matrix("features", features, min_rows=0, cols=cols, finite=check_finite)
         x = features.to(self.prototypes.device)
         if self.keep_logits:
             self.kept.dtype = compute_dtype(x)

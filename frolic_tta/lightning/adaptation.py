@@ -50,6 +50,7 @@ from frolic_tta.lightning.batch import (
     FrolicBatch,
     batch_samples,
     check_free,
+    host_samples,
     row_key,
     take_features,
 )
@@ -59,7 +60,13 @@ from frolic_tta.lightning.finalize import (
     check_same_on_every_rank,
 )
 from frolic_tta.lightning.finalize import finalize as fit_and_fill
-from frolic_tta.lightning.outcome import PredictOutcome, fill_output, placeholders, predict_loader
+from frolic_tta.lightning.outcome import (
+    PredictOutcome,
+    blank_outputs,
+    fill_output,
+    placeholders,
+    predict_loader,
+)
 from frolic_tta.lightning.store_sums import stored_sums
 from frolic_tta.metrics import FrolicMoments
 from frolic_tta.options import FrolicOptions, check_positive, options_from_dict
@@ -187,6 +194,7 @@ class FrolicAdaptation(Callback):
         self._partial = False
         self._last_batch = -1
         self._strategy: Any = None
+        self._world = 0  # the predict's world size
 
     @property
     def outcome(self) -> PredictOutcome:
@@ -202,7 +210,10 @@ class FrolicAdaptation(Callback):
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over ranks through ``trainer.strategy`` (the one collective of
-        the adaptation and its listeners)."""
+        the adaptation and its listeners); a copy of ``tensor`` in a one-process run (no
+        round trip of the solvers' host sums to the device and back)."""
+        if self._world == 1:
+            return tensor.clone()
         device = self.prototypes_.device if self.prototypes_ is not None else tensor.device
         reduced = self._strategy.reduce(tensor.to(device).clone(), reduce_op="sum")
         return reduced.to(tensor.device)
@@ -212,6 +223,7 @@ class FrolicAdaptation(Callback):
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_outcome, self._run, self.prototypes_, self.tau_c_ = None, None, None, None
         self.batch_features, self.samples_seen, self._strategy = None, 0, trainer.strategy
+        self._world = trainer.world_size
         if self.reuse_head and self.head is None:
             raise FrolicInputError(
                 "Expected a stored head with `reuse_head`=True, but this module has none (a "
@@ -284,7 +296,11 @@ class FrolicAdaptation(Callback):
 
     # ------------------------------------------------------------------ one batch
     def _read(self, trainer: L.Trainer, output: Any, batch: Any, batch_idx: int) -> FrolicBatch:
-        """Read one batch's features into the run and give its output the placeholders."""
+        """Read one batch's features into the run and give its output the placeholders.
+
+        On a GPU this waits for the device once (:func:`~.batch.host_samples`: which rows are
+        finite, the index and labels in one copy); a batch whose samples are all usable is
+        added without a mask, and its labels are kept on the host until finalize."""
         features = take_features(output, batch, self.features).float()
         if self.normalize:
             features = features / features.norm(dim=1, keepdim=True)
@@ -299,25 +315,28 @@ class FrolicAdaptation(Callback):
         n = features.shape[0]
         index, labels, errors = batch_samples(output, batch, trainer, batch_idx, n)
         check_free(output, self.rows)
-        valid, reasons = samples.sample_validity(features, errors)
+        blank = blank_outputs(n, k, self.return_logits)  # host work while the device computes
+        finite, index, labels = host_samples(features, index, labels)  # the one device read
+        valid, reasons = samples.batch_validity(finite, errors)
         self._skipped.add(index, reasons)
-        output.update(placeholders(index, valid, labels, k, self.return_logits))
+        output.update(placeholders(index, valid, labels, k, self.return_logits, blank))
         for row in self.rows:
             output[row_key(row)] = torch.full((n,), -1, dtype=torch.long)
         self.batch_features, self.samples_seen = features, self.samples_seen + n
         last = batch_idx == self._last_batch
         read = FrolicBatch(output, features, index, valid, labels, errors, last)
-        mask = valid.to(features.device)
+        every = reasons is None  # every sample usable: no mask, no copy of the features
+        used = features if every else features[valid.to(features.device)]
         if self.reuse_head:
-            fill_output(output, self.head.score(features[mask]))  # type: ignore[union-attr]
+            fill_output(output, self.head.score(used))  # type: ignore[union-attr]
             return read
         run = self._run
         assert run is not None  # set at predict start
         with full_precision(features.device.type):
-            run.moments.update(features[mask])
-        run.features.append(features[mask])
+            run.moments.update(used, check_finite=False)  # finite: checked on the host
+        run.features.append(used)
         given = labels if labels is not None else torch.full((n,), -1, dtype=torch.long)
-        run.labels.append(given.to(features.device)[mask])
+        run.labels.append(given if every else given[valid])  # host; to the device in finalize
         run.outputs.append(output)
         return read
 

@@ -90,7 +90,9 @@ def take_features(output: Any, batch: Any, source: FeatureSource) -> Tensor:
 def batch_samples(
     output: dict[str, Any], batch: Any, trainer: L.Trainer, batch_idx: int, n: int
 ) -> tuple[Tensor, Tensor | None, list[str] | None]:
-    """``(index (n,), labels (n,) or None, errors or None)`` of a batch of ``n`` samples.
+    """``(index (n,), labels (n,) or None, errors or None)`` of a batch of ``n`` samples, the
+    tensors int64 where they are (Lightning moves the batch's to the device:
+    :func:`host_samples` brings them to the host).
 
     Raises:
         FrolicInputError: no index anywhere, or index or labels of another length than ``n``.
@@ -101,8 +103,8 @@ def batch_samples(
         index = _sampler_indices(trainer, batch_idx)
     labels = output.get("target", given.get("label"))
     errors = given.get("error")
-    index = torch.as_tensor(index).detach().long().cpu().reshape(-1)
-    labels = None if labels is None else torch.as_tensor(labels).detach().long().cpu()
+    index = torch.as_tensor(index).detach().long().reshape(-1)
+    labels = None if labels is None else torch.as_tensor(labels).detach().long()
     for what, value in (("index", index), ("labels", labels), ("errors", errors)):
         if value is not None and len(value) != n:
             raise FrolicInputError(
@@ -110,6 +112,26 @@ def batch_samples(
                 f"got {len(value)}"
             )
     return index, labels, None if errors is None else [str(e) for e in errors]
+
+
+def host_samples(
+    features: Tensor, index: Tensor, labels: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(finite (n,) bool, index (n,), labels (n,) or None)`` on the host: whether each
+    feature row is finite, and the batch's index and labels, brought over in **one** copy
+    with those of them that are on the features' device (on a GPU: one host synchronisation
+    per batch; those already on the host stay as they are)."""
+    parts = [torch.isfinite(features).all(dim=1), index]
+    parts += [] if labels is None else [labels]
+    host = list(parts)
+    together = [i for i, part in enumerate(parts) if part.device == features.device]
+    packed = torch.stack([parts[i].reshape(-1).long() for i in together]).cpu()
+    for row, i in zip(packed, together, strict=True):
+        host[i] = row.reshape(parts[i].shape).clone()  # its own storage, not the stack's
+    for i, part in enumerate(parts):
+        if i not in together and part.device.type != "cpu":  # a third device: its own copy
+            host[i] = part.cpu()
+    return host[0].bool(), host[1], None if labels is None else host[2]
 
 
 def _sampler_indices(trainer: L.Trainer, batch_idx: int) -> Sequence[int]:

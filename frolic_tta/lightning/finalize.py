@@ -117,7 +117,8 @@ def finalize(
                 f"{used - counts['labelled']} of the {used} usable samples carry no label: "
                 f"accuracy is computed on the {counts['labelled']} that do"
             )
-        labels, rows = run.labels.rows(), None if settings.ablations else ["f_d"]
+        labels = run.labels.rows().to(features.device)  # kept on the host while encoding
+        rows = None if settings.ablations else ["f_d"]
         args = (settings.options, reduce_fn, settings.chunk_size, rows)
         metrics, class_accuracy = evaluate_fit(fit, features, labels, counts["labelled"], *args)
         if trainer.logger is not None:
@@ -159,14 +160,13 @@ def fill_rows(
     ctx = RowContext(fit.head, fit.sums, features, settings.options, None, reduce_fn,
                      settings.chunk_size)  # fmt: skip
     maps = build_rows(ctx, settings.rows)  # collectives in registry order, on every rank
-    start = 0
-    for output in outputs:
-        valid = output["valid"]
-        n = int(valid.sum())
-        for row, classifier in maps.items():
-            scored = classifier.logits(features[start : start + n]).argmax(1).cpu()
-            output[row_key(row)][valid] = scored
-        start += n
+    sizes = [int(output["valid"].sum()) for output in outputs]  # host flags
+    for row, classifier in maps.items():  # every batch queued, then one copy to the host
+        scored = [classifier.logits(part).argmax(1) for part in features.split(sizes)]
+        predictions = torch.cat(scored).cpu() if scored else None
+        for output, part in zip(outputs, [] if predictions is None else predictions.split(sizes),
+                                strict=True):  # fmt: skip
+            output[row_key(row)][output["valid"]] = part
 
 
 def fingerprint(prototypes: Tensor, tau_c: float) -> Tensor:

@@ -39,6 +39,7 @@ __all__ = [
     "ModelDescription",
     "PredictOutcome",
     "RunCounts",
+    "blank_outputs",
     "evaluate_fit",
     "fill_output",
     "fill_outputs",
@@ -191,15 +192,29 @@ class RunCounts:
 
 
 def placeholders(
-    index: Tensor, valid: Tensor, labels: Tensor | None, num_classes: int, logits: bool
+    index: Tensor,
+    valid: Tensor,
+    labels: Tensor | None,
+    num_classes: int,
+    logits: bool,
+    blank: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """One batch's predict output before finalize: ``index``, ``valid``, ``target`` (with
     labels), NaN ``logits`` ``(n, K)`` (if ``logits``), ``prediction`` -1, NaN ``confidence``
-    (CPU; filled in place by :func:`fill_output`)."""
-    n = index.shape[0]
+    (CPU; filled in place by :func:`fill_output`). ``blank``: the last three, made already
+    (:func:`blank_outputs`)."""
     output: dict[str, Tensor] = {"index": index.detach().cpu(), "valid": valid}
     if labels is not None:
         output["target"] = labels.detach().cpu()
+    output.update(blank or blank_outputs(index.shape[0], num_classes, logits))
+    return output
+
+
+def blank_outputs(n: int, num_classes: int, logits: bool) -> dict[str, Tensor]:
+    """What finalize fills: NaN ``logits`` ``(n, K)`` (if ``logits``), ``prediction`` -1, NaN
+    ``confidence`` (CPU); they need nothing of the batch's values, so the adaptation makes them
+    while the device still computes the batch."""
+    output: dict[str, Tensor] = {}
     if logits:
         output["logits"] = torch.full((n, num_classes), float("nan"), dtype=torch.float32)
     output["prediction"] = torch.full((n,), -1, dtype=torch.long)
@@ -213,18 +228,10 @@ def fill_output(
     """Write ``logits`` ``(n_valid, K)`` of the valid rows of one batch's ``output`` (and their
     prediction, confidence) in place; returns ``output``. ``probability``: their softmax, if
     at hand."""
-    valid = output["valid"]
     if probability is None:
         probability = torch.softmax(logits.float(), dim=1)
     confidence, prediction = probability.max(1)
-    values = {"prediction": prediction, "confidence": confidence, "logits": logits}
-    every = bool(valid.all())  # the usual batch: plain copies, no masked index_put
-    for key, value in values.items():
-        if key in output:
-            if every:
-                output[key].copy_(value.detach())
-            else:
-                output[key][valid] = value.detach().to(device="cpu", dtype=output[key].dtype)
+    _write(output, {"prediction": prediction, "confidence": confidence, "logits": logits})
     return output
 
 
@@ -237,6 +244,11 @@ def fill_outputs(
     num_samples: float,
 ) -> dict[str, Tensor]:
     r"""Fill every batch's placeholders in place with :math:`f_d`, batch by batch.
+
+    Every batch's softmax, prediction, confidence and probability sums are queued on the
+    device first; the copies to the host follow (on a GPU: the first copy waits for the
+    device once, instead of a round trip per batch), the predictions and confidences in one
+    copy each.
 
     Args:
         outputs: the batches' output dicts, in the order their valid rows are in ``features``.
@@ -252,22 +264,49 @@ def fill_outputs(
         before (:math:`f_d` without :meth:`~frolic_tta.FrolicHead.log_offset`) and after
         debiasing (the paper's Fig. 1c/d).
     """
-    offset = head.log_offset().to(device=features.device, dtype=torch.float32)
-    probability = torch.zeros(2, offset.shape[0], dtype=torch.float64)  # before, after
+    device = features.device
+    offset = head.log_offset().to(device=device, dtype=torch.float32)
+    probability = torch.zeros(2, offset.shape[0], dtype=torch.float64, device=device)
+    sizes = [int(output["valid"].sum()) for output in outputs]  # host flags: no device read
+    scored, confidences, predictions = [], [], []
     start = 0
-    for output in outputs:
-        n = int(output["valid"].sum())
+    for n in sizes:
         if logits is not None:
             batch = logits[start : start + n]
         else:
             batch = head.score(features[start : start + n])
         after = torch.softmax(batch.float(), 1)
-        fill_output(output, batch, after)
-        probability[0] += torch.softmax(batch - offset, 1).sum(0).double().cpu()
-        probability[1] += after.sum(0).double().cpu()
+        confidence, prediction = after.max(1)
+        confidences.append(confidence)
+        predictions.append(prediction)
+        probability[0] += torch.softmax(batch - offset, 1).sum(0).double()
+        probability[1] += after.sum(0).double()
+        scored.append(batch if logits is not None else None)
         start += n
-    before, after = (reduce_fn(probability) / num_samples).unbind()
+    confidence = torch.cat(confidences).cpu() if outputs else None
+    prediction = torch.cat(predictions).cpu() if outputs else None
+    start = 0
+    for output, n, batch in zip(outputs, sizes, scored, strict=True):
+        values = {"prediction": prediction[start : start + n],  # type: ignore[index]
+                  "confidence": confidence[start : start + n]}  # type: ignore[index]  # fmt: skip
+        if batch is not None:
+            values["logits"] = batch
+        _write(output, values)
+        start += n
+    before, after = (reduce_fn(probability.cpu()) / num_samples).unbind()
     return {"before": before, "after": after}
+
+
+def _write(output: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+    """Copy ``values`` (of the valid rows) into the output's placeholders, in place."""
+    valid = output["valid"]
+    every = bool(valid.all())  # the usual batch: plain copies, no masked index_put
+    for key, value in values.items():
+        if key in output:
+            if every:
+                output[key].copy_(value.detach())
+            else:
+                output[key][valid] = value.detach().to(device="cpu", dtype=output[key].dtype)
 
 
 def evaluate_fit(

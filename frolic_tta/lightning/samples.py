@@ -109,10 +109,21 @@ def unpack_batch(batch: Any) -> tuple[Tensor | None, Tensor, Tensor | None, list
 
 def sample_validity(features: Tensor, errors: list[str] | None) -> tuple[Tensor, list[str]]:
     """``(valid (n,) bool, reason per sample ('' when valid))`` of one encoded batch."""
-    reasons = [str(e) for e in errors] if errors is not None else [""] * features.shape[0]
-    finite = torch.isfinite(features).all(dim=1).cpu().tolist()
+    valid, reasons = batch_validity(torch.isfinite(features).all(dim=1).cpu(), errors)
+    return valid, [""] * features.shape[0] if reasons is None else reasons
+
+
+def batch_validity(finite: Tensor, errors: list[str] | None) -> tuple[Tensor, list[str] | None]:
+    """``(valid (n,) bool, reason per sample ('' when valid) or None)`` of one batch from its
+    rows' host ``finite`` flags (:func:`~frolic_tta.lightning.batch.host_samples`) and its
+    files' ``errors``: ``None`` for the reasons when every sample is valid (the usual batch:
+    no per-sample Python work)."""
+    if not (errors is not None and any(errors)) and bool(finite.all()):
+        return finite, None
+    reasons = [str(e) for e in errors] if errors is not None else [""] * finite.shape[0]
     reasons = [
-        r if r else ("" if ok else NON_FINITE) for r, ok in zip(reasons, finite, strict=True)
+        r if r else ("" if ok else NON_FINITE)
+        for r, ok in zip(reasons, finite.tolist(), strict=True)
     ]
     return torch.tensor([not r for r in reasons], dtype=torch.bool), reasons
 
@@ -132,12 +143,16 @@ class SkippedSamples:
         #: ``{"index": int, "reason": str}`` per skipped sample of this rank.
         self.records: list[dict[str, Any]] = []
 
-    def add(self, index: Tensor, reasons: list[str]) -> None:
-        """Record one batch (global ``index`` (n,), a reason per sample, ``''`` if valid).
+    def add(self, index: Tensor, reasons: list[str] | None) -> None:
+        """Record one batch (global ``index`` (n,), a reason per sample, ``''`` if valid;
+        ``None``: every sample is valid).
 
         Raises:
             FrolicInputError: this rank's skipped samples exceed its share.
         """
+        if reasons is None:  # nothing skipped: the count only (the limit cannot be crossed)
+            self.seen += len(index)
+            return
         self.seen += len(reasons)
         for i, reason in zip(index.tolist(), reasons, strict=True):
             if not reason:
