@@ -173,7 +173,7 @@ def moment_sums(
     rest = posterior.scatter_(1, where, 0.0).sum(1, keepdim=True)
     posterior.scatter_(1, where, 1.0).div_(1.0 + rest)
     return MomentSums(
-        count=torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
+        count=torch.full((), float(x.shape[0]), dtype=torch.float64, device=x.device),  # no copy
         feature_sum=x.sum(0),
         outer_sum=x.t() @ x,
         soft_count=posterior.sum(0),
