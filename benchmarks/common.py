@@ -298,3 +298,21 @@ def run_script(args: list[str], timeout: float = 1800) -> subprocess.CompletedPr
 def run_json_worker(args: list[str], timeout: float = 1800) -> dict[str, Any]:
     """:func:`run_script` whose last stdout line is a JSON object, parsed."""
     return json.loads(run_script(args, timeout).stdout.strip().splitlines()[-1])
+
+
+def trainer_for(args: argparse.Namespace, callbacks: list[Any] | None = None) -> Any:
+    """A quiet one-device ``lightning.Trainer`` on ``args.device`` at ``args.precision`` (a
+    fresh one per timed predict, the same configuration every time; Lightning is imported
+    here so that the core benchmarks do not load it)."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="gpu" if args.device.startswith("cuda") else "cpu",
+        devices=1,
+        precision=args.precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks or [],
+    )

@@ -102,19 +102,6 @@ class Marks(L.Callback):
         self.counter.phase = "end"  # then Lightning's teardown (the model to the host)
 
 
-def trainer_for(args: argparse.Namespace, callbacks: list[L.Callback]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-        devices=1,
-        precision=args.precision,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-
-
 def run_plain(setup: dict[str, Any], loader: DataLoader, counter: SyncCounter | None) -> Tensor:
     """The plain torch loop; predictions on the host."""
     clip, z, device = setup["clip"], setup["prototypes"], setup["device"]
@@ -177,7 +164,7 @@ def run_method(method: str, setup: dict[str, Any], n: int, counter: SyncCounter 
         if module is None:
             predictions = run_plain(setup, loader, counter)
         else:
-            outputs = trainer_for(args, callbacks).predict(module, dataloaders=loader)
+            outputs = common.trainer_for(args, callbacks).predict(module, dataloaders=loader)
             predictions = torch.cat([o["prediction"] for o in outputs])
     common.sync(setup["device"])
     wall = common.now() - start

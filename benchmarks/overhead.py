@@ -113,15 +113,7 @@ class TimedFrolic(FrolicModule):
 
 def predict(module: FrolicModule, loader: DataLoader, args: argparse.Namespace) -> float:
     """Wall time of one ``trainer.predict`` (fresh Trainer, same configuration every time)."""
-    trainer = L.Trainer(
-        accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-        devices=1,
-        precision=args.precision,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = common.trainer_for(args)
     common.sync(args.device)
     start = common.now()
     outputs = trainer.predict(module, dataloaders=loader)
