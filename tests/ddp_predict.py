@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frolic_tta import FrolicModule, FrolicPredictionWriter  # noqa: E402
 from frolic_tta.data import IndexedDataset  # noqa: E402
+from frolic_tta.lightning.entry import close_process_group  # noqa: E402
 from frolic_tta.options import FrolicOptions  # noqa: E402
 from tests.generated import CLASS_NAMES, GeneratedImages  # noqa: E402
 
@@ -77,6 +78,7 @@ def main() -> None:
             },
             Path(out_dir) / "summary.pt",
         )
+    close_process_group()  # as train.py does: else a rank can abort at exit (SIGABRT)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerFast  # noqa: E402
 
 from frolic_tta import FrolicAdaptation, FrolicReport  # noqa: E402
+from frolic_tta.lightning.entry import close_process_group  # noqa: E402
 
 CLASS_NAMES = ["apple", "boat", "cloud", "dog"]
 TEMPLATES = ["a photo of a {}.", "a drawing of a {}."]
@@ -126,6 +127,7 @@ def main() -> None:
         summary = {"tau_c": frolic.tau_c_, "prototypes": frolic.prototypes_.cpu(),
                    "samples": outcome.samples, "metrics": outcome.metrics}  # fmt: skip
         torch.save(summary, out_dir / "summary.pt")
+    close_process_group()  # as train.py does: else a rank can abort at exit (SIGABRT)
 
 
 if __name__ == "__main__":

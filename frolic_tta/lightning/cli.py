@@ -52,6 +52,7 @@ from frolic_tta.lightning.cli_errors import FrolicArgumentParser
 from frolic_tta.lightning.cli_help import PREDICT_DESCRIPTION, FrolicHelpFormatter
 from frolic_tta.lightning.entry import (
     RUN,
+    close_process_group,
     error_folder,
     error_of_another_rank,
     leave_error,
@@ -360,6 +361,7 @@ def main(args: ArgsType = None) -> None:
     with error_folder():
         try:
             FrolicCLI(args=args)
+            close_process_group()
         except Exception as error:
             message = user_message(error)
             if message is not None:
