@@ -153,6 +153,9 @@ def mixture_weights(
     :data:`~frolic_tta.mixture_newton.KKT_TOL`. A solve not converged after
     :data:`NEWTON_AFTER` passes, or whose step test stopped with the gap open, goes on by
     Newton steps (:func:`~frolic_tta.mixture_newton.newton_weights`) within ``max_passes``.
+    Where ``source.exact`` and :math:`N K^2 \le` :data:`~frolic_tta.logits.EXACT_PRODUCTS`,
+    EM's step test always hands over to those steps, which end one step past their
+    tolerance: the fixed point, not wherever EM's path crossed ``tol``.
 
     Args:
         source: ``(N_local, K)`` component log-likelihoods :math:`g` of the local shard.
