@@ -345,10 +345,11 @@ def pool_weight(fusion: Fusion) -> float:
         fusion: the ``fusion`` option (:data:`~frolic_tta.options.Fusion`).
 
     Returns:
-        :math:`\omega`: 0.5 for ``"pooled"``, else 1.0.
+        :math:`\omega`: 0.5 for ``"pooled"`` and ``"selected"``, else 1.0 (``"selected"``
+        may then drop :math:`f_c`, :mod:`frolic_tta.fusion`).
 
     Raises:
         ValueError: ``fusion`` is not one of :data:`~frolic_tta.options.FUSIONS`.
     """
     check_choice("fusion", fusion, FUSIONS)
-    return 0.5 if fusion == "pooled" else 1.0
+    return 0.5 if fusion in ("pooled", "selected") else 1.0

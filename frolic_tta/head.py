@@ -33,13 +33,16 @@ def fused_map(
     tau_c: float,
     tau_g: float,
     pool_weight: float = 1.0,
+    zero_shot_weight: float | None = None,
 ) -> AffineMap:
-    r""":math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)` (Eq. 12; :math:`\omega` =
-    ``pool_weight``, 1 in the paper, see :func:`~frolic_tta.calibration.pool_weight`), centred
-    at :math:`\hat\mu` (float64)."""
+    r""":math:`f_f = \omega f_g/\tau_g + \omega_c f_c/\tau_c` (Eq. 12; :math:`\omega` =
+    ``pool_weight``, 1 in the paper, see :func:`~frolic_tta.calibration.pool_weight`;
+    :math:`\omega_c` = ``zero_shot_weight``, :math:`\omega` where ``None``, 0 where the head
+    alone is chosen, :mod:`frolic_tta.fusion`), centred at :math:`\hat\mu` (float64)."""
     z = prototypes.to(torch.float64)
-    weight = (gaussian.weight / tau_g + z / tau_c) * pool_weight
-    bias = (gaussian.bias / tau_g + (z @ gaussian.center) / tau_c) * pool_weight
+    omega_c = pool_weight if zero_shot_weight is None else zero_shot_weight
+    weight = gaussian.weight * (pool_weight / tau_g) + z * (omega_c / tau_c)
+    bias = gaussian.bias * (pool_weight / tau_g) + (z @ gaussian.center) * (omega_c / tau_c)
     return AffineMap(weight, bias, gaussian.center)
 
 
@@ -59,6 +62,9 @@ class FrolicHead:
             :math:`f_c/\tau_c`), used by the debiased zero-shot row (``None``: not estimated).
         pool_weight: :math:`\omega` of :math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)`: 1 (Eq. 12)
             or 0.5 (``fusion="pooled"``, :func:`~frolic_tta.calibration.pool_weight`).
+        zero_shot_weight: :math:`\omega_c`, the weight of :math:`f_c/\tau_c` in :math:`f_f`:
+            ``None`` for ``pool_weight``, 0 where ``fusion="selected"`` keeps the head alone
+            (:mod:`frolic_tta.fusion`).
     """
 
     prototypes: Tensor
@@ -69,6 +75,7 @@ class FrolicHead:
     test_prior: Tensor | None = None
     zero_shot_beta: Tensor | None = None
     pool_weight: float = 1.0
+    zero_shot_weight: float | None = None
 
     def log_offset(self, beta: Tensor | None = None) -> Tensor:
         r"""``(K,)`` :math:`\ln\hat\pi - \ln\hat\beta` (of ``beta`` if given)."""
@@ -84,7 +91,8 @@ class FrolicHead:
 
     def fused(self) -> AffineMap:
         r""":math:`f_f = \omega(f_g/\tau_g + f_c/\tau_c)` (Eq. 12), centred at :math:`\hat\mu`."""
-        return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g, self.pool_weight)
+        weights = (self.pool_weight, self.zero_shot_weight)
+        return fused_map(self.prototypes, self.gaussian, self.tau_c, self.tau_g, *weights)
 
     def debiased(self) -> AffineMap:
         r""":math:`f_d = f_f - \ln\hat\beta + \ln\hat\pi` (Eq. 13), centred at :math:`\hat\mu`."""
@@ -138,6 +146,7 @@ class FrolicHead:
             "test_prior": self.test_prior,
             "zero_shot_beta": self.zero_shot_beta,
             "pool_weight": self.pool_weight,
+            "zero_shot_weight": self.zero_shot_weight,
         }
 
     @classmethod
@@ -161,7 +170,12 @@ class FrolicHead:
             test_prior=state.get("test_prior"),
             zero_shot_beta=state.get("zero_shot_beta"),
             pool_weight=float(state.get("pool_weight", 1.0)),  # heads saved before: Eq. 12
+            zero_shot_weight=_optional_float(state.get("zero_shot_weight")),
         )
+
+
+def _optional_float(value: Tensor | float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 class FrolicClassifier(torch.nn.Module):

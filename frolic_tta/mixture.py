@@ -230,3 +230,18 @@ def mixture_weights(
         passes += more
     ratio = max(0.0, 2.0 * float(likelihood - uniform))
     return pi, ratio, passes, converged
+
+
+def log_likelihood(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float]:
+    r"""One pass: :math:`\ell(\pi) = \sum_i \ln\sum_j \pi_j e^{g_{ij}}` over all shards, and
+    its Frank-Wolfe gap :math:`\max_j \partial_j\ell - N \ge \max_{\pi'}\ell(\pi') - \ell(\pi)`
+    (concavity; 0 at the maximiser), both reduced.
+
+    Args:
+        source: ``(N_local, K)`` component log-likelihoods :math:`g` of the local shard.
+        prior: ``(K,)`` the weights :math:`\pi` (positive).
+        reduce_fn: sums a tensor over shards.
+    """
+    local = _mixture_sums(source, prior.double().clamp(min=torch.finfo(torch.float64).tiny).log())
+    sums = _MixtureSums.unpack(reduce_fn(local.pack()))
+    return float(sums.log_likelihood), float(sums.gradient.max() - sums.count)

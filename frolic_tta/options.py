@@ -35,11 +35,13 @@ means (:mod:`frolic_tta.released`)."""
 BiasMethod = Literal["soft", "paper", "implicit", "none", "released"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias` (``"released"``: the
 authors' script, :func:`frolic_tta.released.released_label_bias`)."""
-Fusion = Literal["matched", "fixed", "pooled"]
+Fusion = Literal["matched", "fixed", "pooled", "selected"]
 r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
 :math:`\tau_g = \tau_c` (the released script's equal x100 scales); ``"pooled"``: Eq. 11's
 :math:`\tau_g`, then the two experts averaged, :math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)`,
-before the label bias is matched (:func:`frolic_tta.calibration.pool_weight`)."""
+before the label bias is matched (:func:`frolic_tta.calibration.pool_weight`); ``"selected"``:
+the pooled fusion or :math:`f_g/\tau_g` alone, whichever's debiased labels make the images more
+likely (:mod:`frolic_tta.fusion`)."""
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
 test set, the paper's assumption (Proposition 2)."""
@@ -50,6 +52,9 @@ released script (:mod:`frolic_tta.released`)."""
 HeadLabels = Literal["debiased", "zero_shot"]
 """``"debiased"``: the Gaussian head's means weighted by the zero-shot posterior with its label
 bias removed; ``"zero_shot"``: by the raw zero-shot posterior (Eqs. 4-8 as written)."""
+BiasTest = Literal["off", "aic"]
+"""``"off"``: the label bias is always removed; ``"aic"``: where the images show one
+(:mod:`frolic_tta.evidence`)."""
 ShrinkageMode = Literal["auto", "oas"]
 Shrinkage = float | ShrinkageMode | None
 """``"auto"`` (OAS only when rank-deficient), ``"oas"``, a float in [0, 1], or ``None``."""
@@ -61,6 +66,7 @@ TEST_PRIORS: tuple[str, ...] = get_args(TestPriorMethod)
 ZERO_SHOTS: tuple[str, ...] = get_args(ZeroShot)
 HEAD_LABELS: tuple[str, ...] = get_args(HeadLabels)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
+BIAS_TESTS: tuple[str, ...] = get_args(BiasTest)
 
 
 def check_shrinkage(value: Any) -> None:
@@ -198,11 +204,15 @@ class FrolicOptions:
             (:mod:`frolic_tta.prior`; its matchings are solved to :math:`10^{-6}`), or
             ``"zero_shot"``: the raw zero-shot posterior (Eqs. 4-8 as written; the
             paper's and the released script's). ``docs/method.md`` compares them.
-        fusion: ``"pooled"`` (default; :math:`\tau_g` by Eq. 11, then
+        fusion: ``"selected"`` (default: ``"pooled"``, or :math:`f_g/\tau_g` alone where its
+            labels make the images more likely, :mod:`frolic_tta.fusion`),
+            ``"pooled"`` (:math:`\tau_g` by Eq. 11, then
             :math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)`: the two experts averaged, not
             summed, before the label bias is matched, :func:`frolic_tta.calibration.pool_weight`),
             ``"matched"`` (Eq. 12 as written: the sum, :math:`\tau_g` by Eq. 11; the paper's)
             or ``"fixed"`` (:math:`\tau_g = \tau_c`, the released script's equal scales).
+        bias_test: ``"off"`` (default) or ``"aic"``: remove the label bias only where the
+            images show one (:mod:`frolic_tta.evidence`; experimental).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
             balances the class masses (to the text EM test prior with ``test_prior="em"``,
             ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
@@ -228,7 +238,8 @@ class FrolicOptions:
     test_prior: TestPriorMethod = "em"
     zero_shot: ZeroShot = "text"
     head_labels: HeadLabels = "debiased"
-    fusion: Fusion = "pooled"
+    fusion: Fusion = "selected"
+    bias_test: BiasTest = "off"
     inmap_gamma: float = 0.0
     solver: SolverOptions = field(default_factory=SolverOptions)
 
@@ -245,6 +256,7 @@ class FrolicOptions:
         check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
         check_choice("head_labels", self.head_labels, HEAD_LABELS)
         check_choice("fusion", self.fusion, FUSIONS)
+        check_choice("bias_test", self.bias_test, BIAS_TESTS)
         check_positive("inmap_gamma", self.inmap_gamma, allow_zero=True)
         if not isinstance(self.solver, SolverOptions):  # a mapping from YAML or a sweep
             object.__setattr__(self, "solver", solver_options(self.solver))

@@ -28,21 +28,21 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from frolic_tta.calibration import match_temperature, pool_weight
+from frolic_tta.calibration import pool_weight
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
+from frolic_tta.evidence import tested_estimate
+from frolic_tta.fusion import choose_fusion, confidence_target, fuse
 from frolic_tta.gda import (
-    GaussianHead,
     MomentSums,
     fit_gaussian_head,
     moment_sums,
     zero_shot_buffer,
 )
-from frolic_tta.head import FrolicHead, fused_map
+from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
     AffineMap,
-    LogitSource,
     ReduceFn,
     TensorLogits,
     chunk_rows,
@@ -206,6 +206,7 @@ def fit_frolic(
     debias_head = options.head_labels == "debiased" and options.covariance == "soft"
     debias_head = debias_head and options.zero_shot != "inmap_both"
     estimate = zero_shot_bias = gaussian = head_bias = None
+    evidence = None
     head_eps = min(options.solver.eps, HEAD_LABELS_EPS)
     # the head's labels are balanced without the box on beta-hat_c: where over-confident
     # posteriors push beta-hat_c past it, a boxed matching leaves their class masses
@@ -226,6 +227,19 @@ def fit_frolic(
             buffer,
             head_box,
             head=True,
+        )
+        estimate, evidence = tested_estimate(  # the label bias removed only where it is seen
+            features,
+            prototypes,
+            zero_shot,
+            sums,
+            estimate,
+            options,
+            reduce_fn=reduce_fn,
+            chunk_size=chunk_size,
+            buffer=buffer,
+            bound=head_box,
+            eps=head_eps,
         )
         gaussian, head_bias = estimate.head, estimate.bias
     elif debias_head:
@@ -268,7 +282,7 @@ def fit_frolic(
         zero_shot = zero_shot if scratch is None else fill(scratch, zero_shot)
     report("temperature")
     summed = sums.zero_shot_deficit is not None and options.zero_shot != "inmap_both"
-    tau_g, fused = _fuse(
+    tau_g, fused = fuse(
         features,
         zero_shot,
         buffer,
@@ -279,7 +293,7 @@ def fit_frolic(
         chunk_size,
         gaussian,
         filled=estimate is not None and estimate.head is not None,
-        target=_confidence_target(sums) if summed else None,
+        target=confidence_target(sums) if summed else None,
     )
     if options.test_prior == "em" and estimate is None:  # on the fused posterior
         report("test prior")
@@ -303,13 +317,38 @@ def fit_frolic(
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
+    weight, zero_shot_weight, fusion_gap = pool_weight(options.fusion), None, None
+    if options.fusion == "selected" and options.bias == "soft":  # pooled, or the head alone
+        spare = scratch if zero_shot_bias is not None else None  # f_c / tau_c still needed?
+        choice = choose_fusion(
+            features,
+            prototypes,
+            gaussian,
+            tau_g,
+            fused,
+            bias,
+            sums,
+            uniform if test_prior is None else test_prior,
+            partial(match, method="soft", target=test_prior, name=FUSED_BETA),
+            shrinkage=options.shrinkage,
+            reduce_fn=reduce_fn,
+            chunk_size=chunk_size,
+            spare=spare,
+        )
+        fusion_gap = choice.gap
+        if choice.head_alone:  # f_f = f_g / tau_g
+            bias, weight, zero_shot_weight = choice.bias, 1.0, 0.0
+            if buffer is not None:
+                fill(buffer, choice.source)
     if zero_shot_bias is None:
         report("zero-shot prior")
         zero_shot_bias = match(
             zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
         )
-    weight = pool_weight(options.fusion)
-    head = FrolicHead(z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta, weight)
+    head = FrolicHead(
+        z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta, weight,
+        zero_shot_weight,
+    )  # fmt: skip
     if buffer is not None:  # f_f -> f_d
         buffer.add_(head.log_offset().to(buffer))
     priors = Priors(
@@ -324,52 +363,11 @@ def fit_frolic(
         converged=True if estimate is None else estimate.converged,
         rounds=0 if estimate is None else estimate.rounds,
         passes=0 if estimate is None else estimate.passes,
+        label_bias_evidence=evidence,
+        fusion_gap=fusion_gap,
     )
     report("done")
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)
-
-
-def _fuse(
-    features: Tensor,
-    zero_shot: LogitSource,
-    buffer: Tensor | None,
-    z: Tensor,
-    tau_c: float,
-    options: FrolicOptions,
-    reduce_fn: ReduceFn,
-    chunk_size: int | None,
-    gaussian: GaussianHead,
-    filled: bool = False,
-    target: tuple[float, float, float] | None = None,
-) -> tuple[float, LogitSource]:
-    r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12, weighted by
-    :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
-    in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
-    recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand."""
-    exact = zero_shot.exact  # the fit's decision (:func:`~frolic_tta.logits.exact_arithmetic`)
-    gda = gaussian.gda().source(features, chunk_size, exact)
-    if buffer is not None:
-        gda = TensorLogits(buffer, chunk_size, exact) if filled else fill(buffer, gda)
-    if options.fusion == "fixed":  # the released script's equal scales
-        tau_g = tau_c
-    else:
-        tol = options.solver.temperature_tol
-        kwargs = {"tol": tol, "reduce_fn": reduce_fn, "zero_shot_sums": target}
-        tau_g = match_temperature(gda, zero_shot, 1.0, **kwargs)
-    weight = pool_weight(options.fusion)
-    if buffer is None:
-        fused = fused_map(z, gaussian, tau_c, tau_g, weight)
-        return tau_g, fused.source(features, chunk_size, exact)
-    for start, chunk in zero_shot.chunks():
-        rows = buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
-        if weight != 1.0:
-            rows.mul_(weight)
-    return tau_g, TensorLogits(buffer, chunk_size, exact)
-
-
-def _confidence_target(sums: MomentSums) -> tuple[float, float, float]:
-    """``(N, deficit, margin)`` of the zero-shot posterior from the moment sums."""
-    return float(sums.count), float(sums.zero_shot_deficit), float(sums.zero_shot_margin)
 
 
 def _silent(phase: str) -> None:

@@ -306,6 +306,11 @@ class Priors:
             not estimated).
         rounds: refits of the mixture after the balanced one (0: treated as balanced).
         passes: passes of the test-prior estimate over the logits or features.
+        label_bias_evidence: :math:`\ell_U - \ell_M - (K - 1)` in nats, the evidence of a
+            zero-shot label bias (:mod:`frolic_tta.evidence`; > 0: removed), ``nan`` where
+            ``bias_test="off"``, ``None`` where not estimated (other options).
+        fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0:
+            :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`), ``None`` where not compared.
     """
 
     test_prior: Tensor
@@ -319,6 +324,8 @@ class Priors:
     converged: bool = True
     rounds: int = 0
     passes: int = 0
+    label_bias_evidence: float | None = None
+    fusion_gap: float | None = None
 
     def summary(self, digits: int = 6) -> dict[str, object]:
         """JSON-friendly spreads, flags and per-class vectors (``digits`` significant)."""

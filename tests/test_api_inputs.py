@@ -139,7 +139,8 @@ def test_options_from_dict_names_the_fields_and_keeps_every_value():
     with pytest.raises(TypeError) as error:
         options_from_dict({"bais": "paper"})
     assert str(error.value).startswith(
-        "Expected `options` keys among the FrolicOptions fields ['bias', 'covariance', "
+        "Expected `options` keys among the FrolicOptions fields ['bias', 'bias_test', "
+        "'covariance', "
     )
     assert str(error.value).endswith("but got ['bais']; did you mean 'bias'?")
     # a flat solver field beside a solver mapping: merged, not dropped

@@ -116,7 +116,7 @@ def test_flat_dicts_of_older_versions_load_into_the_solver_group():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_temperature_tol_reaches_the_temperature_search(monkeypatch):
-    from frolic_tta import pipeline
+    from frolic_tta import fusion
 
     calls = []
 
@@ -124,8 +124,8 @@ def test_temperature_tol_reaches_the_temperature_search(monkeypatch):
         calls.append(kwargs["tol"])
         return real(*args, **kwargs)
 
-    real = pipeline.match_temperature
-    monkeypatch.setattr(pipeline, "match_temperature", recording)
+    real = fusion.match_temperature
+    monkeypatch.setattr(fusion, "match_temperature", recording)
     g = torch.Generator().manual_seed(0)
     x, z = (torch.nn.functional.normalize(torch.randn(n, 8, generator=g), dim=1) for n in (60, 3))
     frolic_tta.frolic(x, z)

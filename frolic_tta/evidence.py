@@ -1,0 +1,297 @@
+r"""Is there a label bias to correct? Two image mixtures compared by their likelihood (AIC).
+
+Frolic removes the zero-shot model's label bias :math:`\hat\beta_c` (Proposition 2) and
+estimates the test prior :math:`\pi` on a Gaussian mixture whose soft labels are the debiased
+zero-shot posterior (:mod:`frolic_tta.prior`). Where the classes overlap, a text bias and an
+imbalanced test set look alike: both make the zero-shot model predict some classes more
+often. A mixture fitted under labels matched to uniform class masses then takes the test
+set's own imbalance for a bias, its weights lean towards uniform, and :math:`f_d` removes the
+imbalance: on worlds whose prototypes *are* the class means, zero-shot right on a third of a
+long-tailed test set, that cost 2 to 4 points (issue 35).
+
+Both readings are models of the *images*, the same Gaussian mixture family
+(:math:`p(x) = \sum_j \pi_j\,\mathcal N(x; \mu_j, \Sigma)`, Section 3.2):
+
+* **corrected** (U): the means and shared covariance under the debiased posterior, the
+  weights :math:`\tilde\pi_U` of :func:`~frolic_tta.prior.estimate_test_prior` (the default's
+  model);
+* **uncorrected** (M): the means and covariance under the raw zero-shot posterior (Eqs. 4-8),
+  whose class masses :math:`m_c = \frac1N\sum_i \mathrm{softmax}(f_c(x_i)/\tau_c)` are the
+  test prior it implies; its weights :math:`\tilde\pi_M = \hat\pi_M` are the maximum-likelihood
+  ones on those components (:func:`~frolic_tta.mixture.mixture_weights`, from :math:`m_c`), not
+  shrunk: :math:`m_c` is not a "no shift" hypothesis but the zero-shot model's blur of the test
+  prior (shrunk towards it with the James-Stein rule of :mod:`frolic_tta.prior`, :math:`f_d`
+  stayed 0.6 pt under :math:`f_c` on two of the three long-tailed x10 worlds at zero-shot 0.33
+  of ``benchmarks/no_harm.py``; unshrunk, at most 0.1 pt).
+
+The corrected model estimates :math:`K - 1` more parameters (the label bias), so it is chosen
+where its log-likelihood is higher by more than that (Akaike's criterion):
+
+.. math::
+    \ell_U - \ell_M > K - 1,\qquad
+    \ell = \sum_i \ln\sum_j \pi_j\,\mathcal N(x_i; \mu_j, \Sigma).
+
+Otherwise the data give no evidence of a bias and the uncorrected model's weights are the test
+prior (the zero-shot posterior's labels then weight the head, and :math:`\hat\beta_c` matches
+:math:`f_c` to :math:`\tilde\pi_M` only). With a planted text bias the gap is hundreds to
+tens of thousands of nats (``benchmarks/no_harm.py``, ``benchmarks/label_shift.py``), and one
+pass over each mixture decides it: :math:`\ell_M(\tilde\pi_M) \le \ell_M(m_c) + g`, with
+:math:`g` the Frank-Wolfe gap at :math:`m_c` (:func:`~frolic_tta.mixture.log_likelihood`).
+
+**The two densities** (:func:`mixture_model`) are built from each head's means and label
+masses, with the within-class covariance
+:math:`S = T - \sum_j w_j(\mu_j-\hat\mu)(\mu_j-\hat\mu)^\top`
+(:math:`T` the total covariance) on the span of the data: where the features lie in an affine
+subspace (a constant coordinate, N < d), :math:`T`'s null space is every model's too, and a
+shrinkage or ridge there would be compared instead of the labels (Proposition 2's world, whose
+features end in a constant 1, put 580 nats between two heads that way). On that span each
+:math:`S` is shrunk only where it is rank-deficient (OAS, as ``shrinkage="auto"``).
+Every quantity is a reduced sum, so every shard takes the same decision. The per-sample
+Gaussian terms come from the moment sums: with :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`,
+:math:`\ln\mathcal N(x_i;\mu_j,\Sigma) = g_{ij} - \frac12(x_i-\hat\mu)^\top\Sigma^{-1}(x_i-\hat\mu)
+- \frac12\ln|\Sigma| - \frac r2\ln 2\pi` with :math:`g_{ij} = w_j^\top(x_i - \hat\mu) + b_j`,
+so :math:`\ell = \sum_i \ln\sum_j \pi_j e^{g_{ij}} - \frac12\operatorname{tr}(\Sigma^{-1}C)
+- \frac N2\ln|\Sigma| + \text{const}`.
+Shapes: N samples, K classes, d embedding dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from frolic_tta.gda import RANK_TOLERANCE, GaussianHead, MomentSums, fit_gaussian_head, ridge_factor
+from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, fill
+from frolic_tta.matching import floored, match_class_masses
+from frolic_tta.mixture import log_likelihood, mixture_weights
+from frolic_tta.options import FrolicOptions
+from frolic_tta.prior import TestPriorEstimate
+from frolic_tta.shrinkage import oas_shrinkage, shrink
+from frolic_tta.soft_sums import posterior_sums, refitted_sums
+
+
+@dataclass(frozen=True)
+class BiasEvidence:
+    r"""The outcome of :func:`compare_mixtures`.
+
+    Attributes:
+        corrected: the corrected mixture (U) is chosen: the label bias is removed.
+        gap: :math:`\ell_U - \ell_M` in nats (a lower bound where one pass decided).
+        penalty: :math:`K - 1`, the label bias's free parameters.
+        prior: ``(K,)`` :math:`\tilde\pi_M` where the uncorrected model is chosen, else ``None``.
+        raw: ``(K,)`` :math:`\hat\pi_M` (idem).
+        weight: 1 where the uncorrected model is chosen (its weights are not shrunk), else 0.
+        likelihood_ratio: :math:`\Lambda_M = 2(\ell_M(\hat\pi_M) - \ell_M(m_c))` (idem).
+        passes: passes over the logits or features.
+        converged: the weight solve of M reached its tolerance (``True`` where none ran).
+        scratch_used: ``scratch`` was overwritten.
+    """
+
+    corrected: bool
+    gap: float
+    penalty: float
+    prior: Tensor | None = None
+    raw: Tensor | None = None
+    weight: float = 0.0
+    likelihood_ratio: float = 0.0
+    passes: int = 0
+    converged: bool = True
+    scratch_used: bool = False
+
+
+def data_span(sums: MomentSums) -> Tensor | None:
+    r"""``(d, r)`` an orthonormal basis of the span of the centred features (the eigenvectors of
+    the total covariance above :data:`~frolic_tta.gda.RANK_TOLERANCE` of its mean eigenvalue),
+    or ``None`` where that is all of :math:`\mathbb R^d` (``r = 0``: identical features, where
+    the comparison keeps the corrected reading)."""
+    count = float(sums.count)
+    mean = sums.feature_sum / count
+    total = sums.outer_sum / count - torch.outer(mean, mean)
+    values, vectors = torch.linalg.eigh(0.5 * (total + total.t()))
+    keep = values > RANK_TOLERANCE * float(values.clamp(min=0.0).sum()) / values.shape[0]
+    return None if bool(keep.all()) else vectors[:, keep]
+
+
+def mixture_model(
+    head: GaussianHead, sums: MomentSums, span: Tensor | None
+) -> tuple[AffineMap, float]:
+    r"""The component log-densities of ``head``'s means and label masses on ``span``
+    (module docstring): ``(g, terms)`` with ``g`` the centred logits
+    :math:`w_j^\top(x - \hat\mu) + b_j` and ``terms`` :math:`-\frac12\operatorname{tr}
+    (\Sigma^{-1}C) - \frac N2\ln|\Sigma|` (float64; :math:`\frac{Nr}2\ln 2\pi` left out,
+    the same for every model)."""
+    count = float(sums.count)
+    mean = sums.feature_sum / count
+    scatter = sums.outer_sum - count * torch.outer(mean, mean)  # C
+    centred = head.class_means - mean  # (K, d)
+    within = scatter / count - (centred * head.class_weights[:, None]).t() @ centred
+    if span is not None:
+        within, scatter = span.t() @ within @ span, span.t() @ scatter @ span
+        centred = centred @ span
+    within = 0.5 * (within + within.t())
+    floor = RANK_TOLERANCE * float(torch.diagonal(within).sum()) / within.shape[0]
+    if float(torch.linalg.eigvalsh(within)[0]) <= floor:  # as shrinkage="auto"
+        within = shrink(within, oas_shrinkage(within, count))
+    factor, info = torch.linalg.cholesky_ex(within)
+    if int(info) != 0:
+        _, factor, _ = ridge_factor(within)
+    weight = torch.cholesky_solve(centred.t(), factor).t()  # (K, r)
+    bias = -0.5 * (centred * weight).sum(1)
+    trace = float(torch.cholesky_solve(scatter, factor).diagonal().sum())
+    terms = -0.5 * trace - count * float(torch.log(factor.diagonal()).sum())
+    weight = weight if span is None else weight @ span.t()
+    return AffineMap(weight, bias, mean), terms
+
+
+def compare_mixtures(
+    features: Tensor,
+    corrected: GaussianHead,
+    corrected_prior: Tensor,
+    uncorrected: GaussianHead,
+    sums: MomentSums,
+    *,
+    tol: float,
+    prior_floor: float,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    exact: bool,
+    scratch: Tensor | None = None,
+    refit: Callable[[], tuple[GaussianHead, Tensor, int]] | None = None,
+) -> BiasEvidence:
+    r"""Choose between the corrected and the uncorrected mixture (module docstring).
+
+    Args:
+        features: ``(N_local, d)`` the local shard.
+        corrected: U's head (under the debiased posterior).
+        corrected_prior: ``(K,)`` U's weights :math:`\tilde\pi_U`.
+        uncorrected: M's head (under the raw zero-shot posterior, from ``sums``).
+        sums: the reduced moment sums (their soft counts give :math:`m_c`).
+        tol: of M's weight solve (:func:`~frolic_tta.mixture.mixture_weights`).
+        prior_floor: :math:`\tilde\pi_j \ge` ``prior_floor`` / K.
+        reduce_fn: sums a tensor over shards.
+        chunk_size: rows per chunk.
+        exact: float64 products (:func:`~frolic_tta.logits.exact_arithmetic`).
+        scratch: ``(N_local, K)`` that M's weight solve may overwrite (then ``scratch_used``),
+            or ``None``: its passes recompute the products.
+        refit: where U at :math:`\tilde\pi_U` does not win, the corrected reading at its own
+            maximum-likelihood weights: ``() -> (head, weights, passes)``, the head refitted
+            under the zero-shot posterior matched to U's unshrunk :math:`\hat\pi_U` (module
+            docstring), or ``None``.
+
+    Returns:
+        :class:`BiasEvidence`.
+    """
+    k = corrected.weight.shape[0]
+    penalty = float(k - 1)
+    span = data_span(sums)
+    if span is not None and span.shape[1] == 0:  # identical features: nothing to compare
+        return BiasEvidence(True, float("nan"), penalty)
+    model_u, terms_u = mixture_model(corrected, sums, span)
+    model_m, terms_m = mixture_model(uncorrected, sums, span)
+    source_u = model_u.source(features, chunk_size, exact)
+    ell_u = log_likelihood(source_u, corrected_prior, reduce_fn)[0] + terms_u
+    masses = floored(sums.soft_count / sums.count, prior_floor)
+    source_m = model_m.source(features, chunk_size, exact)
+    at_masses, open_gap = log_likelihood(source_m, masses, reduce_fn)
+    at_masses += terms_m
+    passes = 2
+    if ell_u - (at_masses + open_gap) > penalty:  # M cannot catch up: one pass decided it
+        return BiasEvidence(True, ell_u - at_masses - open_gap, penalty, passes=passes)
+    if scratch is not None:  # M's passes read the scratch buffer
+        source_m = fill(scratch, source_m)
+    raw, _, inner, converged = mixture_weights(source_m, masses, tol=tol, reduce_fn=reduce_fn)
+    ell_raw, _ = log_likelihood(source_m, raw, reduce_fn)
+    ratio = max(0.0, 2.0 * (ell_raw + terms_m - at_masses))
+    prior = floored(raw, prior_floor)  # unshrunk: m_c is the zero-shot's blur, not a null
+    ell_m = log_likelihood(source_m, prior, reduce_fn)[0] + terms_m
+    passes += inner + 2
+    used = scratch is not None
+    if ell_u - ell_m <= penalty and refit is not None:  # U at its own ML weights
+        head, weights, more = refit()
+        model, terms = mixture_model(head, sums, span)
+        source = model.source(features, chunk_size, exact)
+        ell_u = max(ell_u, log_likelihood(source, weights, reduce_fn)[0] + terms)
+        passes += more + 1
+    if ell_u - ell_m > penalty:
+        return BiasEvidence(
+            True, ell_u - ell_m, penalty, passes=passes, converged=converged, scratch_used=used
+        )
+    return BiasEvidence(
+        False, ell_u - ell_m, penalty, prior, raw, 1.0, ratio, passes, converged, used
+    )
+
+
+def tested_estimate(
+    features: Tensor,
+    prototypes: Tensor,
+    zero_shot: LogitSource,
+    sums: MomentSums,
+    estimate: TestPriorEstimate,
+    options: FrolicOptions,
+    *,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    buffer: Tensor | None,
+    bound: float | None,
+    eps: float,
+) -> tuple[TestPriorEstimate, float]:
+    r"""``estimate`` (the corrected model's, with its head) where the images show a label bias,
+    else the uncorrected model's: its head, its test prior :math:`\tilde\pi_M`, and
+    :math:`f_c/\tau_c` (``zero_shot``) matched to that prior (``eps``, ``bound``); with the
+    evidence :math:`\ell_U - \ell_M - (K - 1)` in nats (> 0: corrected).
+    ``options.bias_test="off"`` or no head: ``estimate`` as it is, evidence ``nan``."""
+    if options.bias_test == "off" or estimate.head is None:
+        return estimate, float("nan")
+    uncorrected = fit_gaussian_head(sums, prototypes, "soft", options.shrinkage)
+    solver = options.solver
+    matching = {"bound": bound, "eps": eps, "max_iter": solver.max_iter, "reduce_fn": reduce_fn}
+    matching["prior_floor"] = solver.prior_floor
+
+    def refit() -> tuple[GaussianHead, Tensor, int]:
+        weights = floored(estimate.raw, solver.prior_floor)
+        bias = match_class_masses(zero_shot, weights, init=estimate.bias.beta, **matching)
+        packed = posterior_sums(zero_shot, bias.log_offset, features, bias.exponentials, sums.count)
+        refitted = refitted_sums(sums, reduce_fn(packed))
+        head = fit_gaussian_head(refitted, prototypes, "soft", options.shrinkage)
+        return head, weights, bias.evaluations + 1
+
+    outcome = compare_mixtures(
+        features,
+        estimate.head,
+        estimate.prior,
+        uncorrected,
+        sums,
+        tol=solver.prior_tol,
+        prior_floor=solver.prior_floor,
+        reduce_fn=reduce_fn,
+        chunk_size=chunk_size,
+        exact=zero_shot.exact,
+        scratch=buffer,
+        refit=refit,
+    )
+    evidence = outcome.gap - outcome.penalty
+    passes = estimate.passes + outcome.passes
+    converged = estimate.converged and outcome.converged
+    head = estimate.head if outcome.corrected else uncorrected
+    if outcome.scratch_used and buffer is not None:  # the chosen head's logits, as on entry
+        fill(buffer, head.gda().source(features, chunk_size, zero_shot.exact))
+        passes += 1
+    if outcome.corrected:
+        return replace(estimate, passes=passes, converged=converged), evidence
+    assert outcome.prior is not None and outcome.raw is not None  # set where not corrected
+    bias = match_class_masses(zero_shot, outcome.prior, **matching)
+    tested = TestPriorEstimate(
+        prior=outcome.prior,
+        raw=outcome.raw,
+        weight=outcome.weight,
+        likelihood_ratio=outcome.likelihood_ratio,
+        bias=bias,
+        rounds=estimate.rounds,
+        passes=passes + bias.evaluations,
+        converged=converged,
+        head=uncorrected,
+    )
+    return tested, evidence

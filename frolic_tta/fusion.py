@@ -1,0 +1,191 @@
+r"""How much to trust the zero-shot classifier beside the Gaussian head (``fusion="selected"``).
+
+The pooled fusion (:func:`frolic_tta.calibration.pool_weight`) gives :math:`f_g/\tau_g` and
+:math:`f_c/\tau_c` half the weight each, however much worse one of them is. Where the text
+prototypes are far from the images' class structure (a modality gap, tilted class
+directions), the head alone is right much more often: on the README's first world
+(``clip_world``, N = 2,000) :math:`f_g` 0.59-0.64 against :math:`f_d` 0.50-0.53 (issue 35).
+
+Both candidates are judged by the images, as the label bias is (:mod:`frolic_tta.evidence`):
+each candidate's debiased posterior (its logits matched to the test prior :math:`\tilde\pi`,
+Eq. 13) gives soft labels; the Gaussian mixture refitted under them (one pass, :math:`q^\top X`,
+and :func:`~frolic_tta.evidence.mixture_model`) has a log-likelihood, with the weights
+:math:`\tilde\pi` (one pass). The candidate whose labels make the images more likely is kept:
+
+.. math::
+    f_f = \begin{cases} f_g/\tau_g & \ell(\text{head alone}) > \ell(\text{pooled})\\
+    \frac12(f_g/\tau_g + f_c/\tau_c) & \text{otherwise.}\end{cases}
+
+Both mixtures have the same parameters (K means, a shared covariance, the same weights), but
+the head alone's labels are the head's own posterior: refitting under them is an EM step, whose
+in-sample gain includes fitting the K r means (r the rank of the data's span) to this sample's
+noise, about :math:`Kr/2` nats where both label sets are equally good (Wilks:
+:math:`2\Delta\ell \sim \chi^2_{Kr}`). So the head alone is kept where
+
+.. math::
+    \ell(\text{head alone}) - \ell(\text{pooled}) > K r / 2.
+
+Measured (``benchmarks/no_harm.py``, ``benchmarks/label_shift.py --quick``): 780-1,150 nats
+against 640 on the README's world (the head alone, 0.59-0.64 against the pooled 0.50-0.53);
+67-273 against 3,200 on the CLIP-like worlds and 2-36 against 80-320 on the worlds whose
+prototypes are the means, where the pooled fusion is kept (taken at any positive gap, the head
+alone cost up to 0.5 pt there). Every quantity is a reduced sum: every shard takes the same
+decision.
+Shapes: N samples, K classes, d embedding dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from frolic_tta.calibration import match_temperature, pool_weight
+from frolic_tta.evidence import data_span, mixture_model
+from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
+from frolic_tta.head import fused_map
+from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
+from frolic_tta.matching import MassMatch
+from frolic_tta.mixture import log_likelihood
+from frolic_tta.options import FrolicOptions, Shrinkage
+from frolic_tta.soft_sums import posterior_sums, refitted_sums
+
+
+@dataclass(frozen=True)
+class FusionChoice:
+    r"""The outcome of :func:`choose_fusion`.
+
+    Attributes:
+        head_alone: :math:`f_f = f_g/\tau_g` (else the pooled fusion).
+        bias: the matching of the chosen :math:`f_f` to the test prior (:math:`\hat\beta`).
+        source: the chosen :math:`f_f`'s logits.
+        gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0: the
+            head alone).
+        passes: passes over the logits or features.
+    """
+
+    head_alone: bool
+    bias: MassMatch
+    source: LogitSource
+    gap: float
+    passes: int
+
+
+def label_likelihood(
+    features: Tensor,
+    prototypes: Tensor,
+    source: LogitSource,
+    bias: MassMatch,
+    sums: MomentSums,
+    prior: Tensor,
+    shrinkage: Shrinkage,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+) -> float:
+    r""":math:`\ell` of the Gaussian mixture refitted under the debiased posterior of
+    ``source`` (``bias``'s offset), with the weights ``prior`` (module docstring; two passes)."""
+    count = sums.count
+    packed = posterior_sums(source, bias.log_offset, features, bias.exponentials, count)
+    refit = refitted_sums(sums, reduce_fn(packed))
+    head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
+    model, terms = mixture_model(head, refit, data_span(refit))
+    components = model.source(features, chunk_size, source.exact)
+    return log_likelihood(components, prior, reduce_fn)[0] + terms
+
+
+def choose_fusion(
+    features: Tensor,
+    prototypes: Tensor,
+    gaussian: GaussianHead,
+    tau_g: float,
+    pooled: LogitSource,
+    pooled_bias: MassMatch,
+    sums: MomentSums,
+    prior: Tensor,
+    match: Callable[..., MassMatch],
+    *,
+    shrinkage: Shrinkage,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    spare: Tensor | None = None,
+) -> FusionChoice:
+    r"""The pooled fusion or the head alone (module docstring).
+
+    Args:
+        features: ``(N_local, d)`` the local shard.
+        prototypes: ``(K, d)``.
+        gaussian: the head (:math:`f_g`).
+        tau_g: its temperature (Eq. 11).
+        pooled: the pooled :math:`f_f` of the local shard.
+        pooled_bias: its matching to ``prior``.
+        sums: the reduced moment sums.
+        prior: ``(K,)`` the test prior :math:`\tilde\pi`.
+        match: matches a source to ``target=prior`` (the pipeline's label-bias matching).
+        shrinkage: of the refitted mixtures.
+        reduce_fn: sums a tensor over shards.
+        chunk_size: rows per chunk.
+        spare: ``(N_local, K)`` that may hold the head alone's logits (overwritten), or
+            ``None``.
+    """
+    exact = pooled.exact
+    span = data_span(sums)
+    rank = features.shape[1] if span is None else span.shape[1]
+    if rank == 0:  # identical features: nothing to compare
+        return FusionChoice(False, pooled_bias, pooled, float("nan"), 0)
+    common = (sums, prior, shrinkage, reduce_fn, chunk_size)
+    at_pooled = label_likelihood(features, prototypes, pooled, pooled_bias, *common)
+    scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
+    alone: LogitSource = scaled.source(features, chunk_size, exact)
+    if spare is not None:
+        alone = fill(spare, alone)
+    alone_bias = match(alone)
+    at_alone = label_likelihood(features, prototypes, alone, alone_bias, *common)
+    passes = 4 + alone_bias.evaluations + (spare is not None)
+    gap = at_alone - at_pooled - 0.5 * prototypes.shape[0] * rank
+    if gap > 0.0:
+        return FusionChoice(True, alone_bias, alone, gap, passes)
+    return FusionChoice(False, pooled_bias, pooled, gap, passes)
+
+
+def fuse(
+    features: Tensor,
+    zero_shot: LogitSource,
+    buffer: Tensor | None,
+    z: Tensor,
+    tau_c: float,
+    options: FrolicOptions,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+    gaussian: GaussianHead,
+    filled: bool = False,
+    target: tuple[float, float, float] | None = None,
+) -> tuple[float, LogitSource]:
+    r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12, weighted by
+    :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
+    in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
+    recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand."""
+    exact = zero_shot.exact  # the fit's decision (:func:`~frolic_tta.logits.exact_arithmetic`)
+    gda = gaussian.gda().source(features, chunk_size, exact)
+    if buffer is not None:
+        gda = TensorLogits(buffer, chunk_size, exact) if filled else fill(buffer, gda)
+    if options.fusion == "fixed":  # the released script's equal scales
+        tau_g = tau_c
+    else:
+        tol = options.solver.temperature_tol
+        kwargs = {"tol": tol, "reduce_fn": reduce_fn, "zero_shot_sums": target}
+        tau_g = match_temperature(gda, zero_shot, 1.0, **kwargs)
+    weight = pool_weight(options.fusion)
+    if buffer is None:
+        fused = fused_map(z, gaussian, tau_c, tau_g, weight)
+        return tau_g, fused.source(features, chunk_size, exact)
+    for start, chunk in zero_shot.chunks():
+        rows = buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
+        if weight != 1.0:
+            rows.mul_(weight)
+    return tau_g, TensorLogits(buffer, chunk_size, exact)
+
+
+def confidence_target(sums: MomentSums) -> tuple[float, float, float]:
+    """``(N, deficit, margin)`` of the zero-shot posterior from the moment sums."""
+    return float(sums.count), float(sums.zero_shot_deficit), float(sums.zero_shot_margin)
