@@ -350,11 +350,16 @@ def match_class_masses(
         beta = new
         # the next diagonal step's change of beta-hat: what is left (the last step's change
         # overstates it where the steps converge fast, and would cost a pass more)
-        # classes the data do not determine (N h_j < 1: their bias moves less than one
-        # sample's mass) are left out: their diagonal steps never shrink, whatever the masses
-        step = torch.where(sums.curvature >= 1.0, search_direction(b, gradient, sums, None), 0.0)
+        step = search_direction(b, gradient, sums, None)
         ahead = (b - step).clamp(-box, box)
         next_change = float((torch.softmax(ahead, 0) - beta).abs().sum())
+        if norm < eps and not halved and next_change >= eps:
+            # the masses no longer improve (their float32 rounding floor): a fixed point where
+            # the classes the data do not determine (N h_j < 1: their bias moves less than one
+            # sample's mass) are left out, as their diagonal steps never shrink there
+            step = torch.where(sums.curvature >= 1.0, step, 0.0)
+            ahead = (b - step).clamp(-box, box)
+            next_change = float((torch.softmax(ahead, 0) - beta).abs().sum())
         if next_change < eps and norm < eps or change == 0.0:
             converged = True
             break
