@@ -132,7 +132,7 @@ def test_undetermined_classes_stop_once_their_masses_match():
     logits = zero_shot_right_almost_everywhere()
     match = match_class_masses(TensorLogits(logits, None, True), eps=1e-6, max_iter=100)
     assert bool(match.undetermined.all())
-    assert match.converged and match.evaluations <= 15  # measured: 8
+    assert match.converged and match.evaluations <= 15  # measured: 11
     debiased = torch.softmax(logits.double() + match.log_offset, 1).mean(0)
     assert float((debiased - 0.01).abs().sum()) < 1e-6  # the class masses are uniform
     parts = list(torch.tensor_split(logits, [1_001]))
@@ -156,4 +156,4 @@ def test_a_fit_where_zero_shot_is_right_almost_everywhere_takes_few_passes():
 
     with pytest.warns(UserWarning, match="do not determine"):
         fit_frolic(world.features, world.prototypes, tau_c=0.01, reduce_fn=reduce_fn)
-    assert len(calls) <= 60  # measured: 28 (before: 334, every matching at its cap)
+    assert len(calls) <= 60  # measured: 36 (before: 334, every matching at its cap)
