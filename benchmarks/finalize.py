@@ -78,6 +78,8 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
         case("ImageNet, ViT-B-16, float64 reference", 50_000, 1_000, 512, "reference"),
         case("ImageNet, ViT-B-16, fit_frolic(sums=None)", 50_000, 1_000, 512, "ours-nosums"),
         case("ImageNet, ViT-L-14", 50_000, 1_000, 768),
+        # zero-shot right on ~every sample: hard posteriors (issue 35, item 6)
+        case("ImageNet, ViT-B-16, confident zero-shot", 50_000, 1_000, 512, geometry="confident"),
         case("separable geometry", 10_000, 1_000, 512, geometry="separable"),
         # fewer samples than classes: hard posteriors, the matching's Newton steps on the full
         # K x K Hessian (28 of them: finalize 37.3 s with an eigendecomposition each, f199669)

@@ -23,9 +23,11 @@ boundary crosses samples, so :math:`J` keeps decreasing as some :math:`b_j` runs
 do not determine :math:`\hat\beta`. :math:`J` does not change when a constant is added to
 :math:`b`, so a box :math:`b \in [-\text{bound}, \text{bound}]^K` bounds
 :math:`\max\hat\beta/\min\hat\beta \le e^{2\,\text{bound}}` (without ``bound``, the
-``prior_floor`` sets it). Classes at the box, and classes
-whose bias moves less than one sample's worth of posterior mass (:math:`N h_j < 1`, with
-:math:`h_j = \frac1N\sum_i q_{ij}(1 - q_{ij})`), are reported as undetermined.
+``prior_floor`` sets it). Classes at the box, and classes whose bias moves less than one
+sample's worth of posterior mass (:math:`N h_j < 1`, with
+:math:`h_j = \frac1N\sum_i q_{ij}(1 - q_{ij})`), are reported as undetermined. The stop test
+leaves the latter out: where every class is undetermined (zero-shot right on every sample) the
+masses are matched in a few passes while :math:`\hat\beta` would go on moving for ever.
 
 :func:`match_class_masses` minimises :math:`J` on the box by projected Newton steps
 preconditioned with the diagonal curvature :math:`h_j` and Armijo backtracking: one pass over the
@@ -243,7 +245,9 @@ def match_class_masses(
             ``prior_floor``).
         eps: stop when the next diagonal step would move :math:`\hat\beta` by less than
             :math:`\epsilon` in L1 and the projected gradient's L1 norm (the class-mass error
-            where no bound is active) is :math:`< \epsilon`.
+            where no bound is active) is :math:`< \epsilon`; the step of the classes the data
+            do not determine (:math:`N h_j < 1`) is left out of that test (with hard
+            posteriors their diagonal steps never shrink: a fixed point in the masses).
         max_iter: cap on passes.
         prior_floor: :math:`\hat\beta_j \ge` ``prior_floor`` / K.
         reduce_fn: sums a tensor over shards (identity by default).
@@ -346,8 +350,16 @@ def match_class_masses(
         beta = new
         # the next diagonal step's change of beta-hat: what is left (the last step's change
         # overstates it where the steps converge fast, and would cost a pass more)
-        ahead = (b - search_direction(b, gradient, sums, None)).clamp(-box, box)
+        step = search_direction(b, gradient, sums, None)
+        ahead = (b - step).clamp(-box, box)
         next_change = float((torch.softmax(ahead, 0) - beta).abs().sum())
+        if norm < eps and not halved and next_change >= eps:
+            # the masses no longer improve (their float32 rounding floor): a fixed point where
+            # the classes the data do not determine (N h_j < 1: their bias moves less than one
+            # sample's mass) are left out, as their diagonal steps never shrink there
+            step = torch.where(sums.curvature >= 1.0, step, 0.0)
+            ahead = (b - step).clamp(-box, box)
+            next_change = float((torch.softmax(ahead, 0) - beta).abs().sum())
         if next_change < eps and norm < eps or change == 0.0:
             converged = True
             break

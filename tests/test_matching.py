@@ -9,6 +9,7 @@ import torch
 
 from frolic_tta.logits import TensorLogits
 from frolic_tta.matching import match_class_masses
+from frolic_tta.pipeline import fit_frolic
 from frolic_tta.synthetic import clip_like_world
 from tests.sharding import run_sharded
 
@@ -116,3 +117,43 @@ def test_the_exponentials_of_a_spare_buffer_land_on_the_same_fixed_point(scale):
 
     assert error(lent.beta) == pytest.approx(error(plain.beta), abs=2e-6)
     assert (error(lent.beta) < 2e-6) == (scale == 1.0)  # x5: classes at the bound stay off
+
+
+def zero_shot_right_almost_everywhere() -> torch.Tensor:
+    """A small analogue of finalize.py's confident ImageNet world (issue 35, item 6): zero-shot
+    right on 0.976 of the samples at tau_c = 0.01, every class's posteriors so hard that its
+    bias moves less than one sample's mass (N h_j < 1: undetermined)."""
+    world = clip_like_world(3000, 100, 256, noise=0.2, tilt=0.05, seed=0)
+    return (world.features.double() @ world.prototypes.double().T / 0.01).float()
+
+
+def test_undetermined_classes_stop_once_their_masses_match():
+    # before: 100 passes (the cap), not converged, the masses matched to 1e-8 after a dozen
+    logits = zero_shot_right_almost_everywhere()
+    match = match_class_masses(TensorLogits(logits, None, True), eps=1e-6, max_iter=100)
+    assert bool(match.undetermined.all())
+    assert match.converged and match.evaluations <= 15  # measured: 11
+    debiased = torch.softmax(logits.double() + match.log_offset, 1).mean(0)
+    assert float((debiased - 0.01).abs().sum()) < 1e-6  # the class masses are uniform
+    parts = list(torch.tensor_split(logits, [1_001]))
+
+    def run(part, reduce_fn):
+        source = TensorLogits(part, 512, True)  # exact sums, as fit_frolic's at this size
+        return match_class_masses(source, eps=1e-6, reduce_fn=reduce_fn)
+
+    for sharded in run_sharded(run, parts):  # the stop is decided on reduced values
+        assert sharded.converged and sharded.evaluations == match.evaluations
+        torch.testing.assert_close(sharded.log_offset, match.log_offset, rtol=0, atol=1e-9)
+
+
+def test_a_fit_where_zero_shot_is_right_almost_everywhere_takes_few_passes():
+    world = clip_like_world(3000, 100, 256, noise=0.2, tilt=0.05, seed=0)
+    calls = []
+
+    def reduce_fn(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.shape)
+        return tensor
+
+    with pytest.warns(UserWarning, match="do not determine"):
+        fit_frolic(world.features, world.prototypes, tau_c=0.01, reduce_fn=reduce_fn)
+    assert len(calls) <= 60  # measured: 36 (before: 334, every matching at its cap)
