@@ -25,17 +25,10 @@ import warnings
 import common
 
 import frolic_tta
-from frolic_tta.synthetic import clip_world, means_world, shifted_prior
+from frolic_tta.synthetic import MEANS_WORLDS, clip_world, means_world, shifted_prior
 
 ROWS = ("f_c", "f_c - ln beta", "f_g", "f_f", "f_d")
-MEANS = (  # (K, d, noise, test prior, N)
-    (10, 16, 0.4, "balanced", 2000),
-    (20, 32, 0.4, "balanced", 4000),
-    (10, 16, 1.0, "long-tailed:10", 2000),
-    (10, 16, 0.6, "long-tailed:10", 2000),
-    (20, 32, 0.5, "long-tailed:10", 4000),
-    (10, 16, 0.6, "long-tailed:100", 2000),
-)
+MEANS = MEANS_WORLDS
 
 
 def score(world, **options) -> dict[str, float]:

@@ -271,3 +271,15 @@ def zero_shot_view(world: World) -> tuple[Tensor, Tensor]:
     ones = torch.ones(x.shape[0], 1, dtype=x.dtype)
     offset = -0.5 * (mu**2).sum(1) + torch.log(world.prior)
     return torch.cat([x, ones], 1), torch.cat([mu, offset[:, None]], 1)
+
+
+MEANS_WORLDS = (
+    (10, 16, 0.4, "balanced", 2000),
+    (20, 32, 0.4, "balanced", 4000),
+    (10, 16, 1.0, "long-tailed:10", 2000),
+    (10, 16, 0.6, "long-tailed:10", 2000),
+    (20, 32, 0.5, "long-tailed:10", 4000),
+    (10, 16, 0.6, "long-tailed:100", 2000),
+)
+"""``(K, d, noise, test prior, N)`` of the :func:`means_world` cases of issue 35 (zero-shot
+0.33-0.78): ``benchmarks/no_harm.py`` prints them, ``tests/test_no_harm.py`` asserts them."""

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 import frolic_tta
-from frolic_tta.synthetic import clip_world, means_world, shifted_prior
+from frolic_tta.synthetic import MEANS_WORLDS, clip_world, means_world, shifted_prior
 
 
 def accuracies(world, **options) -> dict[str, float]:
@@ -20,14 +20,7 @@ def accuracies(world, **options) -> dict[str, float]:
     return {key: frolic_tta.accuracy(rows[key], world.labels) for key in rows}
 
 
-MEANS = (  # (K, d, noise, test prior, N): benchmarks/no_harm.py's worlds, zero-shot 0.33-0.78
-    (10, 16, 0.4, "balanced", 2000),
-    (20, 32, 0.4, "balanced", 4000),
-    (10, 16, 1.0, "long-tailed:10", 2000),
-    (10, 16, 0.6, "long-tailed:10", 2000),
-    (20, 32, 0.5, "long-tailed:10", 4000),
-    (10, 16, 0.6, "long-tailed:100", 2000),
-)
+MEANS = MEANS_WORLDS
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
