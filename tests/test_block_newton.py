@@ -46,3 +46,7 @@ def test_block_newton_reaches_the_optimality_gap_above_max_columns_on_any_shards
         assert sharded_converged and sharded_passes == passes
         assert float((sharded_pi - pi).abs().max()) < 1e-9
         assert sharded_ratio == pytest.approx(ratio, rel=1e-9)
+    offset = 0.02 * torch.randn(loglik.shape[1], generator=torch.Generator().manual_seed(1))
+    source = TensorLogits(loglik + offset, 256)  # a round's small change of the components
+    _, _, warm_passes, warm_converged = mixture.mixture_weights(source, pi, tol=1e-7)
+    assert warm_converged and warm_passes < passes  # handed over after WARM_BLOCK_AFTER
