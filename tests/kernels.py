@@ -40,6 +40,9 @@ NUMERIC = (
     "tests/test_metrics.py",
     "tests/test_store_moments.py",
     "tests/test_estimator_edges.py",
+    "tests/test_evidence.py",
+    "tests/test_no_harm.py",
+    "tests/test_block_newton.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""
