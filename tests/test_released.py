@@ -148,7 +148,7 @@ def test_released_preset_is_its_options():
     assert options.solver == SolverOptions(
         eps=1e-3, max_iter=5, beta_ratio_bound=None, inmap_tolerance=None
     )
-    fusions = r"\('matched', 'fixed', 'pooled'\)"
+    fusions = r"\('matched', 'fixed', 'pooled', 'selected'\)"
     with pytest.raises(ValueError, match=rf"Expected `fusion` to be one of {fusions}"):
         FrolicOptions(fusion="x100")
     with pytest.raises(ValueError, match="Expected `shrinkage` 'auto' or None with covariance="):
