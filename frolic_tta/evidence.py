@@ -116,9 +116,10 @@ def data_span(sums: MomentSums) -> Tensor | None:
 
 
 def mixture_model(
-    head: GaussianHead, sums: MomentSums, span: Tensor | None
+    means: Tensor, weights: Tensor, sums: MomentSums, span: Tensor | None
 ) -> tuple[AffineMap, float]:
-    r"""The component log-densities of ``head``'s means and label masses on ``span``
+    r"""The component log-densities of class ``means`` ``(K, d)`` with label masses
+    ``weights`` ``(K,)`` (a head's ``class_means``, ``class_weights``) on ``span``
     (module docstring): ``(g, terms)`` with ``g`` the centred logits
     :math:`w_j^\top(x - \hat\mu) + b_j` and ``terms`` :math:`-\frac12\operatorname{tr}
     (\Sigma^{-1}C) - \frac N2\ln|\Sigma|` (float64; :math:`\frac{Nr}2\ln 2\pi` left out,
@@ -126,8 +127,8 @@ def mixture_model(
     count = float(sums.count)
     mean = sums.feature_sum / count
     scatter = sums.outer_sum - count * torch.outer(mean, mean)  # C
-    centred = head.class_means - mean  # (K, d)
-    within = scatter / count - (centred * head.class_weights[:, None]).t() @ centred
+    centred = means - mean  # (K, d)
+    within = scatter / count - (centred * weights[:, None]).t() @ centred
     if span is not None:
         within, scatter = span.t() @ within @ span, span.t() @ scatter @ span
         centred = centred @ span
@@ -189,8 +190,10 @@ def compare_mixtures(
     span = data_span(sums)
     if span is not None and span.shape[1] == 0:  # identical features: nothing to compare
         return BiasEvidence(True, float("nan"), penalty)
-    model_u, terms_u = mixture_model(corrected, sums, span)
-    model_m, terms_m = mixture_model(uncorrected, sums, span)
+    model_u, terms_u = mixture_model(corrected.class_means, corrected.class_weights, sums, span)
+    model_m, terms_m = mixture_model(
+        uncorrected.class_means, uncorrected.class_weights, sums, span
+    )
     source_u = model_u.source(features, chunk_size, exact)
     ell_u = log_likelihood(source_u, corrected_prior, reduce_fn)[0] + terms_u
     masses = floored(sums.soft_count / sums.count, prior_floor)
@@ -211,7 +214,7 @@ def compare_mixtures(
     used = scratch is not None
     if ell_u - ell_m <= penalty and refit is not None:  # U at its own ML weights
         head, weights, more = refit()
-        model, terms = mixture_model(head, sums, span)
+        model, terms = mixture_model(head.class_means, head.class_weights, sums, span)
         source = model.source(features, chunk_size, exact)
         ell_u = max(ell_u, log_likelihood(source, weights, reduce_fn)[0] + terms)
         passes += more + 1

@@ -43,12 +43,12 @@ from torch import Tensor
 
 from frolic_tta.calibration import match_temperature, pool_weight
 from frolic_tta.evidence import data_span, mixture_model
-from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
+from frolic_tta.gda import GaussianHead, MomentSums, shared_covariance
 from frolic_tta.head import fused_map
 from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
 from frolic_tta.matching import MassMatch
 from frolic_tta.mixture import log_likelihood
-from frolic_tta.options import FrolicOptions, Shrinkage
+from frolic_tta.options import FrolicOptions
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
 
 
@@ -79,17 +79,18 @@ def label_likelihood(
     bias: MassMatch,
     sums: MomentSums,
     prior: Tensor,
-    shrinkage: Shrinkage,
+    span: Tensor | None,
     reduce_fn: ReduceFn,
     chunk_size: int | None,
 ) -> float:
     r""":math:`\ell` of the Gaussian mixture refitted under the debiased posterior of
-    ``source`` (``bias``'s offset), with the weights ``prior`` (module docstring; two passes)."""
+    ``source`` (``bias``'s offset), with the weights ``prior``, on the data's ``span``
+    (:func:`~frolic_tta.evidence.data_span` of ``sums``; module docstring; two passes)."""
     count = sums.count
     packed = posterior_sums(source, bias.log_offset, features, bias.exponentials, count)
     refit = refitted_sums(sums, reduce_fn(packed))
-    head = fit_gaussian_head(refit, prototypes, "soft", shrinkage)
-    model, terms = mixture_model(head, refit, data_span(refit))
+    _, means, weights, _ = shared_covariance(refit, prototypes, "soft", None)  # no head solve
+    model, terms = mixture_model(means, weights, refit, span)
     components = model.source(features, chunk_size, source.exact)
     return log_likelihood(components, prior, reduce_fn)[0] + terms
 
@@ -105,7 +106,6 @@ def choose_fusion(
     prior: Tensor,
     match: Callable[..., MassMatch],
     *,
-    shrinkage: Shrinkage,
     reduce_fn: ReduceFn,
     chunk_size: int | None,
     spare: Tensor | None = None,
@@ -122,7 +122,6 @@ def choose_fusion(
         sums: the reduced moment sums.
         prior: ``(K,)`` the test prior :math:`\tilde\pi`.
         match: matches a source to ``target=prior`` (the pipeline's label-bias matching).
-        shrinkage: of the refitted mixtures.
         reduce_fn: sums a tensor over shards.
         chunk_size: rows per chunk.
         spare: ``(N_local, K)`` that may hold the head alone's logits (overwritten), or
@@ -133,7 +132,7 @@ def choose_fusion(
     rank = features.shape[1] if span is None else span.shape[1]
     if rank == 0:  # identical features: nothing to compare
         return FusionChoice(False, pooled_bias, pooled, float("nan"), 0)
-    common = (sums, prior, shrinkage, reduce_fn, chunk_size)
+    common = (sums, prior, span, reduce_fn, chunk_size)
     at_pooled = label_likelihood(features, prototypes, pooled, pooled_bias, *common)
     scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
     alone: LogitSource = scaled.source(features, chunk_size, exact)

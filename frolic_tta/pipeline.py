@@ -330,7 +330,6 @@ def fit_frolic(
             sums,
             uniform if test_prior is None else test_prior,
             partial(match, method="soft", target=test_prior, name=FUSED_BETA),
-            shrinkage=options.shrinkage,
             reduce_fn=reduce_fn,
             chunk_size=chunk_size,
             spare=spare,
