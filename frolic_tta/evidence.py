@@ -63,7 +63,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import RANK_TOLERANCE, GaussianHead, MomentSums, fit_gaussian_head, ridge_factor
+from frolic_tta.gda import (
+    RANK_TOLERANCE,
+    GaussianHead,
+    MomentSums,
+    fit_gaussian_head,
+    ridge_factor,
+    shared_covariance,
+)
 from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, fill
 from frolic_tta.matching import floored, match_class_masses
 from frolic_tta.mixture import log_likelihood, mixture_weights
@@ -160,7 +167,7 @@ def compare_mixtures(
     chunk_size: int | None,
     exact: bool,
     scratch: Tensor | None = None,
-    refit: Callable[[], tuple[GaussianHead, Tensor, int]] | None = None,
+    refit: Callable[[], tuple[Tensor, Tensor, Tensor, int]] | None = None,
 ) -> BiasEvidence:
     r"""Choose between the corrected and the uncorrected mixture (module docstring).
 
@@ -178,9 +185,9 @@ def compare_mixtures(
         scratch: ``(N_local, K)`` that M's weight solve may overwrite (then ``scratch_used``),
             or ``None``: its passes recompute the products.
         refit: where U at :math:`\tilde\pi_U` does not win, the corrected reading at its own
-            maximum-likelihood weights: ``() -> (head, weights, passes)``, the head refitted
-            under the zero-shot posterior matched to U's unshrunk :math:`\hat\pi_U` (module
-            docstring), or ``None``.
+            maximum-likelihood weights: ``() -> (means, masses, weights, passes)``, the class
+            means and label masses under the zero-shot posterior matched to U's unshrunk
+            :math:`\hat\pi_U` (the weights; module docstring), or ``None``.
 
     Returns:
         :class:`BiasEvidence`.
@@ -213,8 +220,8 @@ def compare_mixtures(
     passes += inner + 2
     used = scratch is not None
     if ell_u - ell_m <= penalty and refit is not None:  # U at its own ML weights
-        head, weights, more = refit()
-        model, terms = mixture_model(head.class_means, head.class_weights, sums, span)
+        means, masses, weights, more = refit()
+        model, terms = mixture_model(means, masses, sums, span)
         source = model.source(features, chunk_size, exact)
         ell_u = max(ell_u, log_likelihood(source, weights, reduce_fn)[0] + terms)
         passes += more + 1
@@ -253,13 +260,13 @@ def tested_estimate(
     matching = {"bound": bound, "eps": eps, "max_iter": solver.max_iter, "reduce_fn": reduce_fn}
     matching["prior_floor"] = solver.prior_floor
 
-    def refit() -> tuple[GaussianHead, Tensor, int]:
+    def refit() -> tuple[Tensor, Tensor, Tensor, int]:
         weights = floored(estimate.raw, solver.prior_floor)
         bias = match_class_masses(zero_shot, weights, init=estimate.bias.beta, **matching)
         packed = posterior_sums(zero_shot, bias.log_offset, features, bias.exponentials, sums.count)
         refitted = refitted_sums(sums, reduce_fn(packed))
-        head = fit_gaussian_head(refitted, prototypes, "soft", options.shrinkage)
-        return head, weights, bias.evaluations + 1
+        _, means, masses, _ = shared_covariance(refitted, prototypes, "soft", None)
+        return means, masses, weights, bias.evaluations + 1
 
     outcome = compare_mixtures(
         features,
