@@ -149,6 +149,7 @@ def mixture_weights(
     max_passes: int = 500,
     reduce_fn: ReduceFn | None = None,
     below: float | None = None,
+    ceiling: float | None = None,
 ) -> tuple[Tensor, float, int, bool]:
     r"""Maximum-likelihood mixture weights for fixed component log-likelihoods.
 
@@ -178,6 +179,10 @@ def mixture_weights(
             = \max_j \frac{\sum_i r_{ij}}{\pi_j} - N` (:math:`r` the responsibilities); the
             weights and :math:`\Lambda` returned are then those of that :math:`\pi` (a lower
             bound), and ``converged`` is true: the decision they feed is exact.
+        ceiling: stop as soon as :math:`\ell(\hat\pi) \le` ``ceiling`` is certain
+            (:math:`\ell(\pi)` plus the Frank-Wolfe gap; as ``below``, on :math:`\ell` itself:
+            :func:`~frolic_tta.evidence.compare_mixtures` stops there once the other model
+            wins whatever the weights).
 
     Returns:
         ``(pi (K,), Lambda, passes, converged)`` with :math:`\Lambda = 2(\ell(\hat\pi) -
@@ -204,6 +209,9 @@ def mixture_weights(
     passes, converged = 0, False
     first, at_pi = step(pi)
     passes += 1
+    if ceiling is not None:  # l(1/K) is the same at every pass: a bound on Lambda
+        limit = 2.0 * (ceiling - float(at_pi.uniform_log_likelihood))
+        below = limit if below is None else min(below, limit)
     # where the passes are exact and the Newton phase's Hessian is cheap (N K^2 <=
     # EXACT_PRODUCTS), EM's step test hands over to Newton, which ends at the fixed point (one
     # step past its tolerance): EM converges linearly, so on a flat likelihood a step below

@@ -211,8 +211,9 @@ class FrolicOptions:
             summed, before the label bias is matched, :func:`frolic_tta.calibration.pool_weight`),
             ``"matched"`` (Eq. 12 as written: the sum, :math:`\tau_g` by Eq. 11; the paper's)
             or ``"fixed"`` (:math:`\tau_g = \tau_c`, the released script's equal scales).
-        bias_test: ``"off"`` (default) or ``"aic"``: remove the label bias only where the
-            images show one (:mod:`frolic_tta.evidence`; experimental).
+        bias_test: ``"aic"`` (default): remove the label bias only where the images show
+            one (:mod:`frolic_tta.evidence`), or ``"off"``: always (the paper's, the
+            released script's and the previous default).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
             balances the class masses (to the text EM test prior with ``test_prior="em"``,
             ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
@@ -239,7 +240,7 @@ class FrolicOptions:
     zero_shot: ZeroShot = "text"
     head_labels: HeadLabels = "debiased"
     fusion: Fusion = "selected"
-    bias_test: BiasTest = "off"
+    bias_test: BiasTest = "aic"
     inmap_gamma: float = 0.0
     solver: SolverOptions = field(default_factory=SolverOptions)
 
@@ -321,6 +322,7 @@ def paper_options(**overrides: Any) -> FrolicOptions:
         test_prior="uniform",
         head_labels="zero_shot",
         fusion="matched",
+        bias_test="off",
         solver=SolverOptions(beta_ratio_bound=None),
     )
     return resolve_options(paper, **overrides)
@@ -345,6 +347,7 @@ def released_options(**overrides: Any) -> FrolicOptions:
         bias="released",
         test_prior="uniform",
         head_labels="zero_shot",
+        bias_test="off",
         solver=SolverOptions(eps=1e-3, max_iter=11, beta_ratio_bound=None, inmap_tolerance=None),
     )
     return resolve_options(released, **overrides)

@@ -21,7 +21,7 @@ from tests.sharding import run_sharded
 
 
 def fit(world, **options):
-    options = {"bias_test": "aic", **options}  # the test is opt-in (its default is "off")
+    options = {"bias_test": "aic", **options}  # (the default)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return frolic_tta.frolic(world.features, world.prototypes, **options)
@@ -75,9 +75,10 @@ def test_a_constant_coordinate_does_not_enter_the_comparison():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_planted_text_bias_is_corrected(seed):
     # the README's world: a modality gap and a per-class text bias; the corrected mixture is
-    # hundreds of nats more likely (measured 450 to 550 above K - 1 = 19)
+    # hundreds of nats more likely (450 to 550 above K - 1 = 19 with M's weights solved to the
+    # end; the lower bound at which M's solve stops: 73 to 316)
     result = fit(clip_world(num_samples=2000, seed=seed))
-    assert result.priors.label_bias_evidence > 100.0
+    assert result.priors.label_bias_evidence > 50.0
     off = fit(clip_world(num_samples=2000, seed=seed), bias_test="off")
     assert torch.equal(result.logits, off.logits)  # the same fit as before the test
 
