@@ -46,7 +46,7 @@ def score(world, **options) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--bias-test", default="off", choices=("off", "aic"))
+    parser.add_argument("--bias-test", default="aic", choices=("off", "aic"))
     args = parser.parse_args()
     options = {"bias_test": args.bias_test}
     info = common.machine_info()

@@ -212,8 +212,7 @@ class FrolicOptions:
             ``"matched"`` (Eq. 12 as written: the sum, :math:`\tau_g` by Eq. 11; the paper's)
             or ``"fixed"`` (:math:`\tau_g = \tau_c`, the released script's equal scales).
         bias_test: ``"aic"`` (default): remove the label bias only where the images show
-            one (:mod:`frolic_tta.evidence`), or ``"off"``: always (the paper's, the
-            released script's and the previous default).
+            one (:mod:`frolic_tta.evidence`), or ``"off"``: always (the paper's).
         inmap_gamma: InMaP's ``gamma`` for the proxies' pseudo-labels: 0 (default, InMaP's)
             balances the class masses (to the text EM test prior with ``test_prior="em"``,
             ours; equal masses with ``"uniform"``, InMaP's), 1 keeps those of the zero-shot
