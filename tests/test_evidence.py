@@ -52,6 +52,28 @@ def test_the_mixture_likelihood_is_the_float64_gaussian_mixture_density():
     assert gap >= log_likelihood(source, best, identity_reduce)[0] - ell >= 0.0
 
 
+def test_the_weight_solve_stops_at_a_ceiling_only_where_the_maximum_is_below_it():
+    # compare_mixtures solves M's weights only until l_M(pi-hat) <= l_U - (K - 1) is certain
+    prior = shifted_prior("long-tailed:10", 8)
+    world = means_world(1500, 8, 12, noise=0.8, seed=3, test_prior=prior)
+    features, prototypes = world.features.double(), world.prototypes.double()
+    sums = shard_moment_sums(features, prototypes, 0.01)
+    head = fit_gaussian_head(sums, prototypes, "soft", "auto")
+    model, _ = mixture_model(head.class_means, head.class_weights, sums, data_span(sums))
+    source = model.source(features)
+    start = torch.full((8,), 1.0 / 8, dtype=torch.float64)
+    best, _, full, converged = mixture_weights(source, start, tol=1e-12)
+    top = log_likelihood(source, best, identity_reduce)[0]
+    assert converged and full > 4
+    # a ceiling above the maximum: stopped early, and what it certified holds
+    early, _, passes, certain = mixture_weights(source, start, tol=1e-12, ceiling=top + 1.0)
+    ell, gap = log_likelihood(source, early, identity_reduce)
+    assert certain and passes < full and top <= ell + gap <= top + 1.0 + 1e-6
+    # a ceiling the maximum exceeds cannot be certified: the same solve to the end
+    same, _, passes, _ = mixture_weights(source, start, tol=1e-12, ceiling=top - 1e-3)
+    assert passes == full and torch.equal(same, best)
+
+
 def test_a_constant_coordinate_does_not_enter_the_comparison():
     # Proposition 2's features end in a constant 1: every head's covariance is singular there,
     # and shrinkage or a ridge in that direction put 580 nats between two heads; on the data's
