@@ -279,6 +279,18 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         "beta_max_over_min": float(beta.max() / beta.min()),
         "acc_zero_shot": float((zero_shot == labels).double().mean()),
         "acc_frolic": float((prediction == labels).double().mean()),
+        # the estimator's own account (ours only): every solve of the test prior converged,
+        # the label-bias test's evidence and the fusion choice's margin, in nats
+        **({} if isinstance(fit, dict) else _priors(fit.priors)),
+    }
+
+
+def _priors(priors: Any) -> dict[str, Any]:
+    return {
+        "test_prior_converged": bool(priors.converged),
+        "test_prior_passes": int(priors.passes),
+        "label_bias_evidence": priors.label_bias_evidence,
+        "fusion_gap": priors.fusion_gap,
     }
 
 
