@@ -226,7 +226,7 @@ def compare_mixtures(
     passes += inner + 1
     used = scratch is not None
     if ell_u - ell_m > penalty:  # (always where the ceiling stopped the solve)
-        lower = ell_u - ell_m - max(left, 0.0)  # what M's weights could still gain, off
+        lower = ell_u - ell_m - max(left, 0.0)  # less what M's weights could still gain
         return BiasEvidence(
             True, lower, penalty, passes=passes, converged=converged, scratch_used=used
         )
