@@ -162,7 +162,7 @@ def compare_mixtures(
     features: Tensor,
     corrected: GaussianHead,
     corrected_prior: Tensor,
-    uncorrected: GaussianHead,
+    uncorrected: tuple[Tensor, Tensor],
     sums: MomentSums,
     *,
     tol: float,
@@ -179,7 +179,8 @@ def compare_mixtures(
         features: ``(N_local, d)`` the local shard.
         corrected: U's head (under the debiased posterior).
         corrected_prior: ``(K,)`` U's weights :math:`\tilde\pi_U`.
-        uncorrected: M's head (under the raw zero-shot posterior, from ``sums``).
+        uncorrected: M's class means ``(K, d)`` and label masses ``(K,)`` (under the raw
+            zero-shot posterior, from ``sums``).
         sums: the reduced moment sums (their soft counts give :math:`m_c`).
         tol: of M's weight solve (:func:`~frolic_tta.mixture.mixture_weights`).
         prior_floor: :math:`\tilde\pi_j \ge` ``prior_floor`` / K.
@@ -202,9 +203,7 @@ def compare_mixtures(
     if span is not None and span.shape[1] == 0:  # identical features: nothing to compare
         return BiasEvidence(True, float("nan"), penalty)
     model_u, terms_u = mixture_model(corrected.class_means, corrected.class_weights, sums, span)
-    model_m, terms_m = mixture_model(
-        uncorrected.class_means, uncorrected.class_weights, sums, span
-    )
+    model_m, terms_m = mixture_model(*uncorrected, sums, span)
     source_u = model_u.source(features, chunk_size, exact)
     ell_u = log_likelihood(source_u, corrected_prior, reduce_fn)[0] + terms_u
     masses = floored(sums.soft_count / sums.count, prior_floor)
@@ -269,7 +268,7 @@ def tested_estimate(
     ``options.bias_test="off"`` or no head: ``estimate`` as it is, evidence ``nan``."""
     if options.bias_test == "off" or estimate.head is None:
         return estimate, float("nan")
-    uncorrected = fit_gaussian_head(sums, prototypes, "soft", options.shrinkage)
+    _, means, masses, _ = shared_covariance(sums, prototypes, "soft", None)  # M's; no solve
     solver = options.solver
     matching = {"bound": bound, "eps": eps, "max_iter": solver.max_iter, "reduce_fn": reduce_fn}
     matching["prior_floor"] = solver.prior_floor
@@ -286,7 +285,7 @@ def tested_estimate(
         features,
         estimate.head,
         estimate.prior,
-        uncorrected,
+        (means, masses),
         sums,
         tol=solver.prior_tol,
         prior_floor=solver.prior_floor,
@@ -299,7 +298,9 @@ def tested_estimate(
     evidence = outcome.gap - outcome.penalty
     passes = estimate.passes + outcome.passes
     converged = estimate.converged and outcome.converged
-    head = estimate.head if outcome.corrected else uncorrected
+    head = estimate.head  # M's head is solved only where M is chosen
+    if not outcome.corrected:
+        head = fit_gaussian_head(sums, prototypes, "soft", options.shrinkage)
     if outcome.scratch_used and buffer is not None:  # the chosen head's logits, as on entry
         fill(buffer, head.gda().source(features, chunk_size, zero_shot.exact))
         passes += 1
@@ -316,6 +317,6 @@ def tested_estimate(
         rounds=estimate.rounds,
         passes=passes + bias.evaluations,
         converged=converged,
-        head=uncorrected,
+        head=head,
     )
     return tested, evidence
