@@ -102,9 +102,9 @@ class TimedFrolic(FrolicModule):
         self.seconds = {"moments": 0.0, "finalize": 0.0}
         update = self.moments.update
 
-        def timed_update(features: Tensor) -> None:
+        def timed_update(features: Tensor, **kwargs: Any) -> None:
             start = common.now()
-            update(features)
+            update(features, **kwargs)
             common.sync(self.device)
             self.seconds["moments"] += common.now() - start
 
