@@ -74,7 +74,7 @@ from frolic_tta.gda import (
     ridge_factor,
     shared_covariance,
 )
-from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, fill
+from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
 from frolic_tta.matching import floored, match_class_masses
 from frolic_tta.mixture import log_likelihood, mixture_weights
 from frolic_tta.options import FrolicOptions
@@ -152,10 +152,28 @@ def mixture_model(
         _, factor, _ = ridge_factor(within)
     weight = torch.cholesky_solve(centred.t(), factor).t()  # (K, r)
     bias = -0.5 * (centred * weight).sum(1)
-    trace = float(torch.cholesky_solve(scatter, factor).diagonal().sum())
-    terms = -0.5 * trace - count * float(torch.log(factor.diagonal()).sum())
     weight = weight if span is None else weight @ span.t()
-    return AffineMap(weight, bias, mean), terms
+    return AffineMap(weight, bias, mean), _terms(factor, scatter, count)
+
+
+def head_terms(head: GaussianHead, sums: MomentSums) -> float:
+    r"""``terms`` of :func:`mixture_model` for the mixture of ``head`` itself, on all of
+    :math:`\mathbb R^d`: its means and its :math:`\hat\Sigma`. ``head.gda()``'s logits are
+    that mixture's centred component logits, so a buffer holding them is read instead of
+    recomputed (the same model as :func:`mixture_model` of its means and masses where the
+    features span :math:`\mathbb R^d` and :math:`\hat\Sigma` is the within-class scatter,
+    to the rounding of its uncentred sums)."""
+    count = float(sums.count)
+    mean = sums.feature_sum / count
+    scatter = sums.outer_sum - count * torch.outer(mean, mean)
+    return _terms(torch.linalg.cholesky(head.shared_covariance), scatter, count)
+
+
+def _terms(factor: Tensor, scatter: Tensor, count: float) -> float:
+    r""":math:`-\frac12\operatorname{tr}(\Sigma^{-1}C) - \frac N2\ln|\Sigma|` from the Cholesky
+    ``factor`` of :math:`\Sigma` and the scatter :math:`C`."""
+    trace = float(torch.cholesky_solve(scatter, factor).diagonal().sum())
+    return -0.5 * trace - count * float(torch.log(factor.diagonal()).sum())
 
 
 def compare_mixtures(
@@ -172,6 +190,7 @@ def compare_mixtures(
     exact: bool,
     scratch: Tensor | None = None,
     refit: Callable[[], tuple[Tensor, Tensor, Tensor, int]] | None = None,
+    corrected_logits: LogitSource | None = None,
 ) -> BiasEvidence:
     r"""Choose between the corrected and the uncorrected mixture (module docstring).
 
@@ -193,6 +212,10 @@ def compare_mixtures(
             maximum-likelihood weights: ``() -> (means, masses, weights, passes)``, the class
             means and label masses under the zero-shot posterior matched to U's unshrunk
             :math:`\hat\pi_U` (the weights; module docstring), or ``None``.
+        corrected_logits: ``corrected.gda()``'s logits of the shard, already at hand (the
+            buffer the test prior's solve read, which ``scratch`` may be): U is then the
+            mixture of the head's own :math:`\hat\Sigma` (:func:`head_terms`), read without a
+            product, where the features span :math:`\mathbb R^d`; ``None``: U's product.
 
     Returns:
         :class:`BiasEvidence`.
@@ -202,9 +225,13 @@ def compare_mixtures(
     span = data_span(sums)
     if span is not None and span.shape[1] == 0:  # identical features: nothing to compare
         return BiasEvidence(True, float("nan"), penalty)
-    model_u, terms_u = mixture_model(corrected.class_means, corrected.class_weights, sums, span)
+    if corrected_logits is not None and span is None:  # U's logits are at hand
+        source_u, terms_u = corrected_logits, head_terms(corrected, sums)
+    else:
+        means, masses = corrected.class_means, corrected.class_weights
+        model_u, terms_u = mixture_model(means, masses, sums, span)
+        source_u = model_u.source(features, chunk_size, exact)
     model_m, terms_m = mixture_model(*uncorrected, sums, span)
-    source_u = model_u.source(features, chunk_size, exact)
     ell_u = log_likelihood(source_u, corrected_prior, reduce_fn)[0] + terms_u
     masses = floored(sums.soft_count / sums.count, prior_floor)
     source_m = model_m.source(features, chunk_size, exact)
@@ -273,6 +300,12 @@ def tested_estimate(
     matching = {"bound": bound, "eps": eps, "max_iter": solver.max_iter, "reduce_fn": reduce_fn}
     matching["prior_floor"] = solver.prior_floor
 
+    # the buffer holds the head's logits (its last refit): U read from it, where U is the
+    # head's own mixture (the within-class scatter, shrunk by the rule mixture_model applies)
+    at_hand = None
+    if buffer is not None and options.shrinkage == "auto":
+        at_hand = TensorLogits(buffer, chunk_size, zero_shot.exact)
+
     def refit() -> tuple[Tensor, Tensor, Tensor, int]:
         weights = floored(estimate.raw, solver.prior_floor)
         bias = match_class_masses(zero_shot, weights, init=estimate.bias.beta, **matching)
@@ -294,6 +327,7 @@ def tested_estimate(
         exact=zero_shot.exact,
         scratch=buffer,
         refit=refit,
+        corrected_logits=at_hand,
     )
     evidence = outcome.gap - outcome.penalty
     passes = estimate.passes + outcome.passes
