@@ -39,13 +39,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature, pool_weight
 from frolic_tta.evidence import data_span, mixture_model
 from frolic_tta.gda import GaussianHead, MomentSums, shared_covariance
 from frolic_tta.head import fused_map
-from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
+from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill, workspace
 from frolic_tta.matching import MassMatch
 from frolic_tta.mixture import log_likelihood
 from frolic_tta.options import FrolicOptions
@@ -109,6 +110,7 @@ def choose_fusion(
     reduce_fn: ReduceFn,
     chunk_size: int | None,
     spare: Tensor | None = None,
+    alone: LogitSource | None = None,
 ) -> FusionChoice:
     r"""The pooled fusion or the head alone (module docstring).
 
@@ -126,6 +128,8 @@ def choose_fusion(
         chunk_size: rows per chunk.
         spare: ``(N_local, K)`` that may hold the head alone's logits (overwritten), or
             ``None``.
+        alone: the head alone's logits :math:`f_g/\tau_g`, already at hand (:func:`fuse`'s
+            ``head_out``), or ``None``: computed (into ``spare`` where there is one).
     """
     exact = pooled.exact
     span = data_span(sums)
@@ -134,13 +138,15 @@ def choose_fusion(
         return FusionChoice(False, pooled_bias, pooled, float("nan"), 0)
     common = (sums, prior, span, reduce_fn, chunk_size)
     at_pooled = label_likelihood(features, prototypes, pooled, pooled_bias, *common)
-    scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
-    alone: LogitSource = scaled.source(features, chunk_size, exact)
-    if spare is not None:
-        alone = fill(spare, alone)
+    passes = 4
+    if alone is None:
+        scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
+        alone = scaled.source(features, chunk_size, exact)
+        if spare is not None:
+            alone, passes = fill(spare, alone), passes + 1
     alone_bias = match(alone)
     at_alone = label_likelihood(features, prototypes, alone, alone_bias, *common)
-    passes = 4 + alone_bias.evaluations + (spare is not None)
+    passes += alone_bias.evaluations
     gap = at_alone - at_pooled - 0.5 * prototypes.shape[0] * rank
     if gap > 0.0:
         return FusionChoice(True, alone_bias, alone, gap, passes)
@@ -159,11 +165,15 @@ def fuse(
     gaussian: GaussianHead,
     filled: bool = False,
     target: tuple[float, float, float] | None = None,
+    head_out: Tensor | None = None,
 ) -> tuple[float, LogitSource]:
     r""":math:`\tau_g` (Eq. 11) and the fused logits :math:`f_f` (Eq. 12, weighted by
     :func:`~frolic_tta.calibration.pool_weight`) of ``gaussian``: :math:`f_g`, then :math:`f_f`
     in ``buffer`` where there is one (``filled``: it already holds :math:`f_g`), else
-    recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand."""
+    recomputed by chunks; ``target``: the zero-shot confidence sums, if at hand;
+    ``head_out``: the buffer ``zero_shot`` reads (with ``buffer`` only), which is then
+    overwritten with :math:`f_g/\tau_g` in the same pass (the head alone's logits for
+    :func:`choose_fusion`, without a product of their own)."""
     exact = zero_shot.exact  # the fit's decision (:func:`~frolic_tta.logits.exact_arithmetic`)
     gda = gaussian.gda().source(features, chunk_size, exact)
     if buffer is not None:
@@ -178,8 +188,16 @@ def fuse(
     if buffer is None:
         fused = fused_map(z, gaussian, tau_c, tau_g, weight)
         return tau_g, fused.source(features, chunk_size, exact)
+    work: Tensor | None = None
     for start, chunk in zero_shot.chunks():
-        rows = buffer[start : start + chunk.shape[0]].div_(tau_g).add_(chunk)
+        rows = buffer[start : start + chunk.shape[0]].div_(tau_g)
+        if head_out is not None:  # f_g / tau_g where f_c / tau_c was
+            work = workspace(work, rows, 1)
+            torch.add(rows, chunk, out=work[0])
+            head_out[start : start + chunk.shape[0]].copy_(rows)
+            rows.copy_(work[0])
+        else:
+            rows.add_(chunk)
         if weight != 1.0:
             rows.mul_(weight)
     return tau_g, TensorLogits(buffer, chunk_size, exact)

@@ -272,16 +272,18 @@ def fit_frolic(
     if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
         gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
-        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size}
-        prototypes, gaussian = released_proxies(
-            features, prototypes, gaussian, tau_c, options, **kwargs
-        )
+        kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, "options": options}
+        prototypes, gaussian = released_proxies(features, prototypes, gaussian, tau_c, **kwargs)
         z = prototypes.to(torch.float64)
         scaled = AffineMap(z / tau_c, torch.zeros(k, dtype=torch.float64))
         zero_shot = scaled.source(features, chunk_size, exact)
         zero_shot = zero_shot if scratch is None else fill(scratch, zero_shot)
     report("temperature")
     summed = sums.zero_shot_deficit is not None and options.zero_shot != "inmap_both"
+    # f_g / tau_g, the fusion choice's head alone, takes f_c / tau_c's buffer in the pass that
+    # fuses where f_c / tau_c is not read again (its prior matched): no product of its own
+    choosing = options.fusion == "selected" and options.bias == "soft"
+    alone = scratch if choosing and zero_shot_bias is not None and buffer is not None else None
     tau_g, fused = fuse(
         features,
         zero_shot,
@@ -294,6 +296,7 @@ def fit_frolic(
         gaussian,
         filled=estimate is not None and estimate.head is not None,
         target=confidence_target(sums) if summed else None,
+        head_out=alone,
     )
     if options.test_prior == "em" and estimate is None:  # on the fused posterior
         report("test prior")
@@ -312,13 +315,13 @@ def fit_frolic(
         if head_bias is not None and zero_shot_bias is not None:  # f_g has no label bias of
             start = head_bias.beta ** pool_weight(options.fusion)  # its own, f_f holds omega f_c:
             tight["init"] = start / start.sum()  # its bias starts near beta_c^omega (warm)
-        if zero_shot_bias is not None:  # f_c / tau_c is not read again: the scratch is spare
-            tight["spare"] = scratch
+        if zero_shot_bias is not None and alone is None:  # f_c / tau_c is not read again:
+            tight["spare"] = scratch  # the scratch is spare
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
     weight, zero_shot_weight, fusion_gap = pool_weight(options.fusion), None, None
-    if options.fusion == "selected" and options.bias == "soft":  # pooled, or the head alone
+    if choosing:  # pooled, or the head alone
         spare = scratch if zero_shot_bias is not None else None  # f_c / tau_c still needed?
         choice = choose_fusion(
             features,
@@ -333,6 +336,7 @@ def fit_frolic(
             reduce_fn=reduce_fn,
             chunk_size=chunk_size,
             spare=spare,
+            alone=None if alone is None else TensorLogits(alone, chunk_size, zero_shot.exact),
         )
         fusion_gap = choice.gap
         if choice.head_alone:  # f_f = f_g / tau_g
