@@ -39,7 +39,9 @@ weights are solved (from :math:`m_c`) only until that is certain:
 :math:`\ell_M(\hat\pi_M) \le \ell_M(\pi) + g(\pi)` at any :math:`\pi`, with :math:`g` the
 Frank-Wolfe gap (:func:`~frolic_tta.mixture.log_likelihood`), so the solve stops once
 :math:`\ell_M(\pi) + g(\pi) \le \ell_U - (K - 1)` (3 to 5 passes on M's components, held
-in the scratch buffer where there is one: two products in all, and U's one).
+in the scratch buffer where there is one: two products in all, M's and the head's logits
+again). U's likelihood reads the head's logits from that buffer before (:func:`head_terms`)
+where the features span :math:`\mathbb R^d`, else it takes one product of its own.
 
 **The two densities** (:func:`mixture_model`) are built from each head's means and label
 masses, with the within-class covariance

@@ -10,7 +10,9 @@ Both candidates are judged by the images, as the label bias is (:mod:`frolic_tta
 each candidate's debiased posterior (its logits matched to the test prior :math:`\tilde\pi`,
 Eq. 13) gives soft labels; the Gaussian mixture refitted under them (one pass, :math:`q^\top X`,
 and :func:`~frolic_tta.evidence.mixture_model`) has a log-likelihood, with the weights
-:math:`\tilde\pi` (one pass). The candidate whose labels make the images more likely is kept:
+:math:`\tilde\pi` (one pass). The head alone's logits :math:`f_g/\tau_g` take the zero-shot
+buffer in the pass that fuses (:func:`fuse`'s ``head_out``) where :math:`f_c/\tau_c` is not
+read again. The candidate whose labels make the images more likely is kept:
 
 .. math::
     f_f = \begin{cases} f_g/\tau_g & \ell(\text{head alone}) > \ell(\text{pooled})\\
