@@ -96,7 +96,9 @@ class SolverOptions:
             stops at its cap warns and is reported as ``converged: false``.
         shift_evidence: how much evidence an imbalanced test prior needs: the constant
             :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
-            (:class:`~frolic_tta.prior.TestPriorEstimate`); ``0`` uses the EM estimate as it is.
+            (:class:`~frolic_tta.prior.TestPriorEstimate`), and of the preliminary test of the
+            uncorrected reading's weights where the label-bias test keeps it
+            (:mod:`frolic_tta.evidence`); ``0`` uses the EM estimates as they are.
         beta_ratio_bound: largest :math:`\max_j\hat\beta_j / \min_j\hat\beta_j` of the zero-shot
             model's pre-training prior (a box on :math:`\ln\hat\beta`, :mod:`frolic_tta.matching`;
             classes at the box are reported as undetermined); ``None``: only ``prior_floor``.
