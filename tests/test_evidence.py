@@ -161,3 +161,20 @@ def test_a_planted_bias_at_low_signal_is_still_corrected(name):
     tested, removed = fit(world), fit(world, bias_test="off")
     accuracy = [frolic_tta.accuracy(r.logits, world.labels) for r in (tested, removed)]
     assert accuracy[0] >= accuracy[1] - 0.005
+
+
+def test_the_buffered_decisions_equal_the_streamed_ones():
+    # with the logit buffer the bias test reads U's components from it (the head's logits) and
+    # the fusion choice takes f_g / tau_g from the pass that fuses; without it (keep_logits=False)
+    # both are products. On the README's world (corrected, the head alone chosen) the two paths
+    # differ only by float32 rounding of what they read: a few ulps of the logits' scale per row
+    world = clip_world(num_samples=2000, seed=0)
+    buffered = frolic_tta.fit_frolic(world.features, world.prototypes)
+    streamed = frolic_tta.fit_frolic(world.features, world.prototypes, keep_logits=False)
+    tolerance = 2000 * float(buffered.logits.abs().max()) * 2.0**-20
+    for name in ("label_bias_evidence", "fusion_gap"):
+        ours, theirs = getattr(buffered.priors, name), getattr(streamed.priors, name)
+        assert ours > 0.0 and abs(ours - theirs) <= tolerance, (name, ours, theirs)
+    assert buffered.head.zero_shot_weight == streamed.head.zero_shot_weight == 0.0
+    scores = streamed.head.score(world.features)
+    assert torch.equal(scores.argmax(1), buffered.logits.argmax(1))
