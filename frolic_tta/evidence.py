@@ -130,9 +130,8 @@ def data_span(sums: MomentSums) -> Tensor | None:
     the total covariance above :data:`~frolic_tta.gda.RANK_TOLERANCE` of its mean eigenvalue),
     or ``None`` where that is all of :math:`\mathbb R^d` (``r = 0``: identical features, where
     the comparison keeps the corrected reading)."""
-    count = float(sums.count)
-    mean = sums.feature_sum / count
-    total = sums.outer_sum / count - torch.outer(mean, mean)
+    count, _, scatter = _scatter(sums)
+    total = scatter / count
     values, vectors = torch.linalg.eigh(0.5 * (total + total.t()))
     keep = values > RANK_TOLERANCE * float(values.clamp(min=0.0).sum()) / values.shape[0]
     return None if bool(keep.all()) else vectors[:, keep]
@@ -147,9 +146,7 @@ def mixture_model(
     :math:`w_j^\top(x - \hat\mu) + b_j` and ``terms`` :math:`-\frac12\operatorname{tr}
     (\Sigma^{-1}C) - \frac N2\ln|\Sigma|` (float64; :math:`\frac{Nr}2\ln 2\pi` left out,
     the same for every model)."""
-    count = float(sums.count)
-    mean = sums.feature_sum / count
-    scatter = sums.outer_sum - count * torch.outer(mean, mean)  # C
+    count, mean, scatter = _scatter(sums)
     centred = means - mean  # (K, d)
     within = scatter / count - (centred * weights[:, None]).t() @ centred
     if span is not None:
@@ -175,10 +172,16 @@ def head_terms(head: GaussianHead, sums: MomentSums) -> float:
     recomputed (the same model as :func:`mixture_model` of its means and masses where the
     features span :math:`\mathbb R^d` and :math:`\hat\Sigma` is the within-class scatter,
     to the rounding of its uncentred sums)."""
+    count, _, scatter = _scatter(sums)
+    return _terms(torch.linalg.cholesky(head.shared_covariance), scatter, count)
+
+
+def _scatter(sums: MomentSums) -> tuple[float, Tensor, Tensor]:
+    r"""``(N, mean (d,), C (d, d))`` of the reduced ``sums``, with the scatter
+    :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
     count = float(sums.count)
     mean = sums.feature_sum / count
-    scatter = sums.outer_sum - count * torch.outer(mean, mean)
-    return _terms(torch.linalg.cholesky(head.shared_covariance), scatter, count)
+    return count, mean, sums.outer_sum - count * torch.outer(mean, mean)
 
 
 def _terms(factor: Tensor, scatter: Tensor, count: float) -> float:

@@ -111,7 +111,6 @@ def choose_fusion(
     *,
     reduce_fn: ReduceFn,
     chunk_size: int | None,
-    spare: Tensor | None = None,
     alone: LogitSource | None = None,
 ) -> FusionChoice:
     r"""The pooled fusion or the head alone (module docstring).
@@ -128,10 +127,8 @@ def choose_fusion(
         match: matches a source to ``target=prior`` (the pipeline's label-bias matching).
         reduce_fn: sums a tensor over shards.
         chunk_size: rows per chunk.
-        spare: ``(N_local, K)`` that may hold the head alone's logits (overwritten), or
-            ``None``.
         alone: the head alone's logits :math:`f_g/\tau_g`, already at hand (:func:`fuse`'s
-            ``head_out``), or ``None``: computed (into ``spare`` where there is one).
+            ``head_out``), or ``None``: recomputed by chunks at every pass.
     """
     exact = pooled.exact
     span = data_span(sums)
@@ -140,15 +137,12 @@ def choose_fusion(
         return FusionChoice(False, pooled_bias, pooled, float("nan"), 0)
     common = (sums, prior, span, reduce_fn, chunk_size)
     at_pooled = label_likelihood(features, prototypes, pooled, pooled_bias, *common)
-    passes = 4
     if alone is None:
         scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
         alone = scaled.source(features, chunk_size, exact)
-        if spare is not None:
-            alone, passes = fill(spare, alone), passes + 1
     alone_bias = match(alone)
     at_alone = label_likelihood(features, prototypes, alone, alone_bias, *common)
-    passes += alone_bias.evaluations
+    passes = 4 + alone_bias.evaluations
     gap = at_alone - at_pooled - 0.5 * prototypes.shape[0] * rank
     if gap > 0.0:
         return FusionChoice(True, alone_bias, alone, gap, passes)

@@ -322,7 +322,6 @@ def fit_frolic(
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
     weight, zero_shot_weight, fusion_gap = pool_weight(options.fusion), None, None
     if choosing:  # pooled, or the head alone
-        spare = scratch if zero_shot_bias is not None else None  # f_c / tau_c still needed?
         choice = choose_fusion(
             features,
             prototypes,
@@ -335,7 +334,6 @@ def fit_frolic(
             partial(match, method="soft", target=test_prior, name=FUSED_BETA),
             reduce_fn=reduce_fn,
             chunk_size=chunk_size,
-            spare=spare,
             alone=None if alone is None else TensorLogits(alone, chunk_size, zero_shot.exact),
         )
         fusion_gap = choice.gap
