@@ -1,0 +1,164 @@
+r"""What the fusion choice (``fusion="selected"``) keeps, and what the head alone would score.
+
+Run: ``python benchmarks/fusion_choice.py`` (about 3 minutes on 2 cores); prints one line per
+world and seed and writes ``benchmarks/results/fusion_choice.json``. ``--quick``: 1 seed.
+
+The default keeps :math:`f_g/\tau_g` alone (instead of the pooled fusion) where the mixture
+refitted under its debiased labels is more likely than the pooled one's by more than
+:math:`Kr/2` nats (:mod:`frolic_tta.fusion`). For every world this prints:
+
+* ``gap``: the in-sample :math:`\ell(\text{head alone}) - \ell(\text{pooled})` the rule reads
+  (the fit's ``fusion_gap`` plus :math:`Kr/2`), beside the threshold :math:`Kr/2`, and
+  ``here``, the same recomputed by this script in float64 (a check of its own math: the
+  candidates' matchings are this script's, so it agrees to their tolerance, not exactly);
+* ``held-out``: the same difference with each half of the samples scored by the mixtures
+  refitted on the other half (2 folds, a seeded random split; float64), and its Vuong
+  statistic :math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`d_i` the per-sample difference);
+* top-1 of the default's :math:`f_d`, of the pooled and of the head-alone candidate, each
+  matched to the fit's test prior (:func:`frolic_tta.estimate_label_bias`, ``target``).
+
+Worlds: ``no_harm.py``'s (prototypes are the class means, 18 fits; the README's example, 3),
+the CLIP-like label-shift worlds of ``label_shift.py --quick`` (N = 5,000, K = 50, d = 128)
+and the digits model of ``peers.py --quick``. It measures whether a likelihood can tell where
+the head alone is the better classifier: a rule is as good as the worlds it separates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+from collections.abc import Iterator
+
+import common
+import torch
+from label_shift import build, world_specs
+
+import frolic_tta
+from frolic_tta.evidence import data_span
+from frolic_tta.synthetic import MEANS_WORLDS, clip_world, means_world, shifted_prior
+
+CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "clip natural")
+
+
+World = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+
+def worlds(seeds: int) -> Iterator[World]:
+    """``(name, seed, features, prototypes, labels, tau_c)`` of every world."""
+    for k, d, noise, kind, n in MEANS_WORLDS:
+        for seed in range(seeds):
+            prior = None if kind == "balanced" else shifted_prior(kind, k, seed)
+            world = means_world(n, k, d, noise, seed=seed, test_prior=prior)
+            name = f"means K={k} d={d} noise={noise} {kind}"
+            yield name, seed, world.features, world.prototypes, world.labels, 0.01
+    for seed in range(seeds):
+        world = clip_world(num_samples=2000, seed=seed)
+        yield "README clip_world N=2000", seed, world.features, world.prototypes, world.labels, 0.01
+    specs = world_specs(True)
+    for name in CLIP_WORLDS:
+        for seed in range(seeds):
+            world, x, z, tau_c = build(specs[name], seed)
+            yield f"{name} N=5000", seed, x, z, world.labels, tau_c
+    from digits_clip import QUICK_STEPS, encode, pretrain
+
+    digits = pretrain(0, 20.0, QUICK_STEPS)
+    x, z, y = encode(digits)
+    yield "digits model (peers --quick)", 0, x, z, y, 1.0 / digits.logit_scale
+
+
+def debiased(logits: torch.Tensor, prior: torch.Tensor, eps: float) -> torch.Tensor:
+    r"""``logits`` matched to ``prior``: :math:`f - \ln\hat\beta + \ln\pi` (float64)."""
+    beta = frolic_tta.estimate_label_bias(logits, target=prior, eps=eps)
+    return logits.double() - beta.log() + prior.double().log()
+
+
+def held_out(
+    x: torch.Tensor, labels: torch.Tensor, prior: torch.Tensor, span: torch.Tensor | None, folds
+) -> torch.Tensor:
+    r"""Per-sample :math:`\ln\sum_j \pi_j \mathcal N(x_i;\mu_j,\Sigma)` (up to a constant), each
+    fold scored by the mixture refitted under the soft ``labels`` on the other folds (one fold:
+    in sample, the rule's own statistic)."""
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    for f, test in enumerate(folds):
+        others = [fold for g, fold in enumerate(folds) if g != f]
+        train = torch.cat(others) if others else test
+        xs, qs = x[train], labels[train]
+        mean = xs.mean(0)
+        masses = qs.sum(0)
+        means = (qs.t() @ xs) / masses.clamp(min=1e-300)[:, None]
+        centred = means - mean
+        scatter = (xs - mean).t() @ (xs - mean) / len(train)
+        within = scatter - (centred * (masses / len(train))[:, None]).t() @ centred
+        y = x[test] - mean
+        if span is not None:
+            within, y, centred = span.t() @ within @ span, y @ span, centred @ span
+        factor = torch.linalg.cholesky(0.5 * (within + within.t()))
+        weight = torch.cholesky_solve(centred.t(), factor).t()
+        g = y @ weight.t() - 0.5 * (centred * weight).sum(1)
+        quad = 0.5 * (y.t() * torch.cholesky_solve(y.t(), factor)).sum(0)
+        log_det = torch.log(factor.diagonal()).sum()
+        out[test] = torch.logsumexp(g + prior.log(), 1) - quad - log_det
+    return out
+
+
+def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
+    """One world: the default's fit, the rule's gap, the held-out gap and three accuracies."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        result = frolic_tta.frolic(x, z, tau_c=tau_c, normalize=True)
+    head, features, eps = result.head, result.features, result.options.solver.eps
+    prior = result.priors.test_prior.double()
+    span = data_span(result.sums)
+    rank = features.shape[1] if span is None else span.shape[1]
+    threshold = 0.5 * z.shape[0] * rank
+    alone = result.gda_logits.double() / head.tau_g
+    zero_shot = result.zero_shot_logits.double() / head.tau_c
+    candidates = {"pooled": 0.5 * (alone + zero_shot), "head alone": alone}
+    scores = {key: debiased(logits, prior, eps) for key, logits in candidates.items()}
+    x64 = features.double()
+    split = torch.randperm(x64.shape[0], generator=torch.Generator().manual_seed(0))
+    folds = list(split.chunk(2))
+    per = {key: held_out(x64, s.softmax(1), prior, span, folds) for key, s in scores.items()}
+    diff = per["head alone"] - per["pooled"]
+    whole = [torch.arange(x64.shape[0])]  # in sample: this script's math against the fit's gap
+    own = {key: held_out(x64, s.softmax(1), prior, span, whole) for key, s in scores.items()}
+    return {
+        "head alone chosen": head.zero_shot_weight == 0.0,
+        "gap": result.priors.fusion_gap + threshold,
+        "gap here": float((own["head alone"] - own["pooled"]).sum()),
+        "threshold": threshold,
+        "held-out gap": float(diff.sum()),
+        "held-out Z": float(diff.sum() / (math.sqrt(diff.shape[0]) * diff.std())),
+        "f_c": frolic_tta.accuracy(zero_shot, labels),
+        "f_d": frolic_tta.accuracy(result.logits, labels),
+        "pooled": frolic_tta.accuracy(scores["pooled"], labels),
+        "head alone": frolic_tta.accuracy(scores["head alone"], labels),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed")
+    args = parser.parse_args()
+    info = common.machine_info()
+    runs = []
+    for name, seed, x, z, labels, tau_c in worlds(1 if args.quick else 3):
+        row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
+        runs.append(row)
+        kept = "head alone" if row["head alone chosen"] else "pooled"
+        print(
+            f"{name:40s} seed {seed}: gap {row['gap']:8.1f} (here {row['gap here']:8.1f}; "
+            f"threshold {row['threshold']:6.0f}), "
+            f"held-out {row['held-out gap']:7.1f} Z {row['held-out Z']:5.1f} | f_c "
+            f"{row['f_c']:.4f} f_d {row['f_d']:.4f} ({kept}) pooled {row['pooled']:.4f} "
+            f"head alone {row['head alone']:.4f} ({100 * (row['head alone'] - row['pooled']):+.2f}"
+            " pt)",
+            flush=True,
+        )
+    payload = {"machine": common.finish_info(info), "runs": runs}
+    print(f"wrote {common.write_result('fusion_choice', payload).relative_to(common.ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
