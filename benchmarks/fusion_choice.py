@@ -31,30 +31,21 @@ import warnings
 from collections.abc import Iterator
 
 import common
+import no_harm
 import torch
 from label_shift import build, world_specs
 
 import frolic_tta
 from frolic_tta.evidence import data_span
-from frolic_tta.synthetic import MEANS_WORLDS, clip_world, means_world, shifted_prior
 
 CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "clip natural")
+Case = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
 
 
-World = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
-
-
-def worlds(seeds: int) -> Iterator[World]:
+def worlds(seeds: int) -> Iterator[Case]:
     """``(name, seed, features, prototypes, labels, tau_c)`` of every world."""
-    for k, d, noise, kind, n in MEANS_WORLDS:
-        for seed in range(seeds):
-            prior = None if kind == "balanced" else shifted_prior(kind, k, seed)
-            world = means_world(n, k, d, noise, seed=seed, test_prior=prior)
-            name = f"means K={k} d={d} noise={noise} {kind}"
-            yield name, seed, world.features, world.prototypes, world.labels, 0.01
-    for seed in range(seeds):
-        world = clip_world(num_samples=2000, seed=seed)
-        yield "README clip_world N=2000", seed, world.features, world.prototypes, world.labels, 0.01
+    for name, seed, world in no_harm.worlds(seeds):
+        yield name, seed, world.features, world.prototypes, world.labels, 0.01
     specs = world_specs(True)
     for name in CLIP_WORLDS:
         for seed in range(seeds):

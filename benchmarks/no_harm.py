@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from collections.abc import Iterator
 
 import common
 
 import frolic_tta
 from frolic_tta.synthetic import (
     MEANS_WORLDS,
+    World,
     clip_like_world,
     clip_world,
     means_world,
@@ -59,6 +61,17 @@ LOW_SIGNAL = {  # clip_like_world: modality gap, planted text bias (tests/test_e
 }
 
 
+def worlds(seeds: int) -> Iterator[tuple[str, int, World]]:
+    """``(name, seed, world)``: the means worlds, then the README's example."""
+    for k, d, noise, kind, n in MEANS:
+        for seed in range(seeds):
+            prior = None if kind == "balanced" else shifted_prior(kind, k, seed)
+            world = means_world(n, k, d, noise, seed=seed, test_prior=prior)
+            yield f"means K={k} d={d} noise={noise} {kind}", seed, world
+    for seed in range(seeds):
+        yield "README clip_world N=2000", seed, clip_world(num_samples=2000, seed=seed)
+
+
 def low_signal_row(label: str, world, features, prototypes, labels) -> dict[str, float | str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -81,15 +94,8 @@ def main() -> None:
     options = {"bias_test": args.bias_test}
     info = common.machine_info()
     results = []
-    for k, d, noise, kind, n in MEANS:
-        for seed in range(args.seeds):
-            prior = None if kind == "balanced" else shifted_prior(kind, k, seed)
-            world = means_world(n, k, d, noise, seed=seed, test_prior=prior)
-            results.append({"world": f"means K={k} d={d} noise={noise} {kind}", "seed": seed})
-            results[-1].update(score(world, **options))
-    for seed in range(args.seeds):
-        results.append({"world": "README clip_world N=2000", "seed": seed})
-        results[-1].update(score(clip_world(num_samples=2000, seed=seed), **options))
+    for name, seed, world in worlds(args.seeds):
+        results.append({"world": name, "seed": seed, **score(world, **options)})
     missed = []  # the other side: a planted text bias at low signal (docs/method.md)
     for label, (n, k, d, kind, seed) in LOW_SIGNAL.items():
         prior = None if kind is None else shifted_prior(kind, k, seed)
