@@ -8,15 +8,16 @@ The default misses f_d >= f_c - 0.5 pt on 8 of 96 prototypes-are-the-means fits 
 (``no_harm_sweep.py``): there the Gaussian head is a noisy copy of the prototypes' own
 direction and the pooled fusion keeps half its loss. The candidate asks the images whether the
 head's class means :math:`\hat\mu_j` are the prototypes' up to the modality gap and a scale,
-:math:`\mu_j = c + a z_j` (``z`` unit rows), beyond their sampling noise:
+:math:`\mu_j = c + a z_j` (beyond their sampling noise:
 
 .. math::
     T = \sum_j n^{\text{eff}}_j\, r_j^\top\hat\Sigma^{-1} r_j,\quad
     r_j = \hat\mu_j - c - a z_j,\quad
     n^{\text{eff}}_j = \frac{(\sum_i q_{ij})^2}{\sum_i q_{ij}^2},\quad
-    z = \frac{T - \nu}{\sqrt{2\nu}},\ \nu = (K - 1) d - 1,
+    z = \frac{T - \nu}{\sqrt{2\nu}},\ \nu = (K - 1) r - 1,
 
-with :math:`c, a` by weighted least squares in :math:`\hat\Sigma^{-1}` and :math:`q` the head's
+with :math:`c, a` by weighted least squares in :math:`\hat\Sigma^{-1}`, :math:`z_j` as
+:math:`f_c` reads them (all on the data's span), and :math:`q` the head's
 soft labels (Kish's effective counts: each mean is a weighted mean of its soft labels). Where
 :math:`z \le 3.09` (one-sided 0.1 %), the rule keeps :math:`f_c` alone (the fit's
 ``f_c - ln beta`` row: :math:`f_c/\tau_c` matched to the test prior), with the uncorrected
@@ -24,7 +25,12 @@ reading's preliminary test at Akaike's level (:math:`\Lambda_M > 2(K - 1)`, the 
 test's K - 1 nats) instead of :math:`c = 0.5` (uniform weights otherwise); elsewhere the
 default's f_d. Everything is computed here from the default's fit; the library is unchanged.
 
-Worlds: ``no_harm_sweep.py``'s (K = 5-100), the README's example (3 seeds), the CLIP-like and
+``--directions`` tests :math:`\mu_j = c + a\hat\Sigma z_j` instead (the head's LDA directions
+are the prototypes; prints only).
+
+Worlds: ``no_harm_sweep.py``'s (K = 5-100), the README's example (3 seeds), the Gaussian world
+of ``accuracy.py`` (``paper_world``: the means are the prototypes, the covariance anisotropic,
+3 seeds), the CLIP-like and
 Proposition 2 worlds of ``label_shift.py --quick`` (seed 0), the random-weight encoder's 512
 features of ``tests/data/encoder_world.pt`` (``benchmarks/ddp.py``'s world) and the digits
 model of ``peers.py --quick``.
@@ -45,17 +51,24 @@ from fusion_choice import debiased
 from label_shift import build, world_specs
 
 import frolic_tta
-from frolic_tta.synthetic import clip_world, means_world, shifted_prior
+from frolic_tta.evidence import data_span
+from frolic_tta.synthetic import clip_world, means_world, paper_world, shifted_prior
 
 CRITICAL = 3.09  # one-sided 0.1 %
 PRETEST = 2.0  # Akaike: Lambda_M > 2 (K - 1)
+DIRECTIONS = False  # --directions
 
 
 def prototype_z(result) -> float:
     r"""The statistic :math:`z` of the module docstring, from the default's fit."""
     head = result.head
     means, sigma = head.gaussian.class_means, head.gaussian.shared_covariance
-    z = torch.nn.functional.normalize(head.prototypes.double(), dim=1)
+    z = head.prototypes.double()  # as f_c reads them
+    span = data_span(result.sums)  # on the data's span (Proposition 2's constant coordinate)
+    if span is not None:
+        means, z, sigma = means @ span, z @ span, span.t() @ sigma @ span
+    if DIRECTIONS:  # the hypothesis that the head's LDA directions are the prototypes
+        z = z @ sigma
     scores = result.zero_shot_logits.double() / head.tau_c
     if result.priors.label_bias_evidence > 0:  # the corrected reading: the debiased labels
         scores = scores - head.zero_shot_beta.double().log() + result.priors.test_prior.log()
@@ -117,6 +130,10 @@ def worlds():
     for seed in range(3):
         w = clip_world(num_samples=2000, seed=seed)
         yield "README", f"seed {seed}", w.features, w.prototypes, w.labels, {}
+    for seed in range(3):  # accuracy.py's: the means are the prototypes, Sigma is anisotropic
+        w = paper_world(5000, seed=seed)
+        kwargs = {"normalize": False}
+        yield "paper's Gaussian world", f"seed {seed}", w.features, w.prototypes, w.labels, kwargs
     specs = world_specs(True)
     for name, spec in specs.items():
         world, x, z, tau_c = build(spec, 0)
@@ -141,7 +158,14 @@ def worlds():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument(
+        "--directions",
+        action="store_true",
+        help="test mu_j = c + a Sigma z_j (LDA directions = prototypes) instead; no JSON",
+    )
+    args = parser.parse_args()
+    global DIRECTIONS
+    DIRECTIONS = args.directions
     info = common.machine_info()
     runs = []
     for family, name, x, z, labels, kwargs in worlds():
@@ -177,8 +201,9 @@ def main() -> None:
             f"pt: {line['default under max - 0.5']} -> {line['rule under max - 0.5']}; largest "
             f"change {100 * line['largest change']:.2f} pt"
         )
-    payload = {"machine": common.finish_info(info), "summary": summary, "runs": runs}
-    print(f"wrote {common.write_result('prototype_test', payload).relative_to(common.ROOT)}")
+    if not DIRECTIONS:
+        payload = {"machine": common.finish_info(info), "summary": summary, "runs": runs}
+        print(f"wrote {common.write_result('prototype_test', payload).relative_to(common.ROOT)}")
 
 
 if __name__ == "__main__":
