@@ -19,18 +19,39 @@ from __future__ import annotations
 import argparse
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 import common
 from no_harm import score
 
 import frolic_tta
-from frolic_tta.synthetic import means_world, shifted_prior
+from frolic_tta.synthetic import World, means_world, shifted_prior
 
 SIZES = ((5, 16, 2000), (10, 16, 2000), (20, 32, 2000), (50, 64, 2000), (100, 128, 10000))
 KINDS = ("balanced", "natural", "long-tailed:10", "long-tailed:100")
 NOISES = (0.3, 0.45, 0.6, 0.8, 1.0)
 ZERO_SHOT = (0.35, 0.80)
 BOUND = 0.005
+
+
+def worlds(seeds: int = 3) -> Iterator[tuple[dict[str, Any], World]]:
+    """``(spec, world)`` of every swept fit whose zero-shot accuracy is in :data:`ZERO_SHOT`
+    (``spec``: K, d, N, test prior, noise, seed)."""
+    for k, d, n in SIZES:
+        for kind in KINDS:
+            for noise in NOISES:
+                for seed in range(seeds):
+                    prior = shifted_prior(kind, k, seed) if kind.startswith("long") else None
+                    world = means_world(
+                        n, k, d, noise, seed=seed, test_prior=prior, sample=kind == "natural"
+                    )
+                    zero_shot = frolic_tta.accuracy(
+                        world.features @ world.prototypes.t(), world.labels
+                    )
+                    if ZERO_SHOT[0] <= zero_shot <= ZERO_SHOT[1]:
+                        spec = {"k": k, "d": d, "n": n, "kind": kind, "noise": noise, "seed": seed}
+                        yield spec, world
 
 
 def main() -> None:
@@ -40,31 +61,18 @@ def main() -> None:
     warnings.simplefilter("ignore", UserWarning)  # the ablation rows' matchings
     info = common.machine_info()
     runs = []
-    for k, d, n in SIZES:
-        for kind in KINDS:
-            for noise in NOISES:
-                for seed in range(args.seeds):
-                    prior = shifted_prior(kind, k, seed) if kind.startswith("long") else None
-                    world = means_world(
-                        n, k, d, noise, seed=seed, test_prior=prior, sample=kind == "natural"
-                    )
-                    zero_shot = frolic_tta.accuracy(
-                        world.features @ world.prototypes.t(), world.labels
-                    )
-                    if not ZERO_SHOT[0] <= zero_shot <= ZERO_SHOT[1]:
-                        continue
-                    row = {"k": k, "d": d, "n": n, "kind": kind, "noise": noise, "seed": seed}
-                    row.update(score(world))
-                    runs.append(row)
-                    if min(row["f_d - f_c"], row["f_d - max"]) < -BOUND - 1e-12:
-                        print(
-                            f"K={k} d={d} N={n} {kind:15s} noise {noise} seed {seed}: f_c "
-                            f"{row['f_c']:.4f} f_c - ln beta {row['f_c - ln beta']:.4f} f_g "
-                            f"{row['f_g']:.4f} f_f {row['f_f']:.4f} f_d {row['f_d']:.4f} (w "
-                            f"{row['w']:.2f}): f_d - f_c {100 * row['f_d - f_c']:+.2f}, f_d - "
-                            f"max {100 * row['f_d - max']:+.2f} pt",
-                            flush=True,
-                        )
+    for spec, world in worlds(args.seeds):
+        row = {**spec, **score(world)}
+        runs.append(row)
+        if min(row["f_d - f_c"], row["f_d - max"]) < -BOUND - 1e-12:
+            print(
+                f"K={row['k']} d={row['d']} N={row['n']} {row['kind']:15s} noise {row['noise']} "
+                f"seed {row['seed']}: f_c {row['f_c']:.4f} f_c - ln beta "
+                f"{row['f_c - ln beta']:.4f} f_g {row['f_g']:.4f} f_f {row['f_f']:.4f} f_d "
+                f"{row['f_d']:.4f} (w {row['w']:.2f}): f_d - f_c {100 * row['f_d - f_c']:+.2f}, "
+                f"f_d - max {100 * row['f_d - max']:+.2f} pt",
+                flush=True,
+            )
     groups = defaultdict(list)
     for row in runs:
         groups[(row["k"], row["d"], row["n"])].append(row)

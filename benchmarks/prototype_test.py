@@ -52,7 +52,7 @@ from label_shift import build, world_specs
 
 import frolic_tta
 from frolic_tta.evidence import data_span
-from frolic_tta.synthetic import clip_world, means_world, paper_world, shifted_prior
+from frolic_tta.synthetic import clip_world, paper_world
 
 CRITICAL = 3.09  # one-sided 0.1 %
 PRETEST = 2.0  # Akaike: Lambda_M > 2 (K - 1)
@@ -113,20 +113,11 @@ def under(rows: list[dict[str, float]], key: str, bound: str) -> int:
 
 def worlds():
     """``(family, name, features, prototypes, labels, frolic kwargs)``."""
-    for k, d, n in no_harm_sweep.SIZES:
+    for spec, w in no_harm_sweep.worlds():
+        k, n = spec["k"], spec["n"]
         family = f"means K={k} N={n}" + ("" if k <= 20 else " (beyond K <= 20)")
-        for kind in no_harm_sweep.KINDS:
-            for noise in no_harm_sweep.NOISES:
-                for seed in range(3):
-                    prior = shifted_prior(kind, k, seed) if kind.startswith("long") else None
-                    w = means_world(
-                        n, k, d, noise, seed=seed, test_prior=prior, sample=kind == "natural"
-                    )
-                    zero_shot = frolic_tta.accuracy(w.features @ w.prototypes.t(), w.labels)
-                    low, high = no_harm_sweep.ZERO_SHOT
-                    if low <= zero_shot <= high:
-                        name = f"K={k} {kind} noise {noise} seed {seed}"
-                        yield family, name, w.features, w.prototypes, w.labels, {}
+        name = f"K={k} {spec['kind']} noise {spec['noise']} seed {spec['seed']}"
+        yield family, name, w.features, w.prototypes, w.labels, {}
     for seed in range(3):
         w = clip_world(num_samples=2000, seed=seed)
         yield "README", f"seed {seed}", w.features, w.prototypes, w.labels, {}
