@@ -56,10 +56,9 @@ from frolic_tta.synthetic import clip_world, paper_world
 
 CRITICAL = 3.09  # one-sided 0.1 %
 PRETEST = 2.0  # Akaike: Lambda_M > 2 (K - 1)
-DIRECTIONS = False  # --directions
 
 
-def prototype_z(result) -> float:
+def prototype_z(result, directions: bool = False) -> float:
     r"""The statistic :math:`z` of the module docstring, from the default's fit."""
     head = result.head
     means, sigma = head.gaussian.class_means, head.gaussian.shared_covariance
@@ -67,7 +66,7 @@ def prototype_z(result) -> float:
     span = data_span(result.sums)  # on the data's span (Proposition 2's constant coordinate)
     if span is not None:
         means, z, sigma = means @ span, z @ span, span.t() @ sigma @ span
-    if DIRECTIONS:  # the hypothesis that the head's LDA directions are the prototypes
+    if directions:  # the hypothesis that the head's LDA directions are the prototypes
         z = z @ sigma
     scores = result.zero_shot_logits.double() / head.tau_c
     if result.priors.label_bias_evidence > 0:  # the corrected reading: the debiased labels
@@ -88,13 +87,13 @@ def prototype_z(result) -> float:
     return (statistic - dof) / math.sqrt(2 * dof)
 
 
-def measure(x, z, labels, **kwargs) -> dict[str, float]:
+def measure(x, z, labels, directions: bool = False, **kwargs) -> dict[str, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         result = frolic_tta.frolic(x, z, **kwargs)
         rows = {key: frolic_tta.accuracy(v, labels) for key, v in result.ablations(labels).items()}
     priors, k = result.priors, z.shape[0]
-    statistic = prototype_z(result)
+    statistic = prototype_z(result, directions)
     alone = rows["f_c - ln beta"]
     uncorrected = priors.label_bias_evidence <= 0
     if uncorrected and priors.shift_weight > 0 and priors.likelihood_ratio <= PRETEST * (k - 1):
@@ -155,12 +154,10 @@ def main() -> None:
         help="test mu_j = c + a Sigma z_j (LDA directions = prototypes) instead; no JSON",
     )
     args = parser.parse_args()
-    global DIRECTIONS
-    DIRECTIONS = args.directions
     info = common.machine_info()
     runs = []
     for family, name, x, z, labels, kwargs in worlds():
-        row = {"family": family, "world": name, **measure(x, z, labels, **kwargs)}
+        row = {"family": family, "world": name, **measure(x, z, labels, args.directions, **kwargs)}
         runs.append(row)
         if row["rule"] != row["f_d"]:
             print(
@@ -192,7 +189,7 @@ def main() -> None:
             f"pt: {line['default under max - 0.5']} -> {line['rule under max - 0.5']}; largest "
             f"change {100 * line['largest change']:.2f} pt"
         )
-    if not DIRECTIONS:
+    if not args.directions:
         payload = {"machine": common.finish_info(info), "summary": summary, "runs": runs}
         print(f"wrote {common.write_result('prototype_test', payload).relative_to(common.ROOT)}")
 

@@ -203,10 +203,10 @@ def compare_mixtures(
     reduce_fn: ReduceFn,
     chunk_size: int | None,
     exact: bool,
+    evidence: float,
     scratch: Tensor | None = None,
     refit: Callable[[], tuple[Tensor, Tensor, Tensor, int]] | None = None,
     corrected_logits: LogitSource | None = None,
-    evidence: float = 0.5,
 ) -> BiasEvidence:
     r"""Choose between the corrected and the uncorrected mixture (module docstring).
 
@@ -222,6 +222,9 @@ def compare_mixtures(
         reduce_fn: sums a tensor over shards.
         chunk_size: rows per chunk.
         exact: float64 products (:func:`~frolic_tta.logits.exact_arithmetic`).
+        evidence: :math:`c` (``solver.shift_evidence``): where M is chosen, its weights
+            :math:`\hat\pi_M` only where :math:`\Lambda_M > c(K - 1)`, else uniform (module
+            docstring).
         scratch: ``(N_local, K)`` that M's weight solve may overwrite (then ``scratch_used``),
             or ``None``: its passes recompute the products.
         refit: where U at :math:`\tilde\pi_U` does not win, the corrected reading at its own
@@ -232,8 +235,6 @@ def compare_mixtures(
             buffer the test prior's solve read, which ``scratch`` may be): U is then the
             mixture of the head's own :math:`\hat\Sigma` (:func:`head_terms`), read without a
             product, where the features span :math:`\mathbb R^d`; ``None``: U's product.
-        evidence: :math:`c`: where M is chosen, its weights :math:`\hat\pi_M` only where
-            :math:`\Lambda_M > c(K - 1)`, else uniform (module docstring).
 
     Returns:
         :class:`BiasEvidence`.
