@@ -233,6 +233,11 @@ GEOMETRIES = {
     "separable": Geometry(
         tilt=0.4, image_noise=0.7, text_noise=0.2, text_bias=0.02, text_class=0.8
     ),
+    # issue 35, item 2's ImageNet-21k world: zero-shot ~0.36 at K = 21,841, d = 512 (0.355 at
+    # N = 20,000; the ImageNet-like geometry gives 0.29 there)
+    "imagenet-21k": Geometry(
+        tilt=0.3, image_noise=0.74, text_noise=0.2, text_bias=0.03, text_class=1.0
+    ),
     # the ImageNet-like world with an eighth of its image noise: zero-shot right on ~every
     # sample (0.998 at K = 1000, d = 512), hard posteriors (issue 35, item 6)
     "confident": Geometry(
@@ -246,13 +251,20 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_like(
-    n: int, k: int, d: int, geometry: str = "imagenet-like", seed: int = 0, chunk: int = 16384
+    n: int,
+    k: int,
+    d: int,
+    geometry: str = "imagenet-like",
+    seed: int = 0,
+    chunk: int = 16384,
+    sampled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unit-norm float32 ``(features (n, d), prototypes (k, d), labels (n,))`` for any K vs d.
 
     Like :func:`frolic_tta.synthetic.clip_world` (modality gap, class directions tilted between
     modalities, a planted per-class text bias) but with random class directions, so K may exceed
-    d; generated in chunks so the peak is about the output. Balanced labels ``i % k``.
+    d; generated in chunks so the peak is about the output. Balanced labels ``i % k``, or with
+    ``sampled`` drawn from the uniform prior (a test set sampled, not balanced: counts vary).
     """
     geo = GEOMETRIES[geometry]
     g = torch.Generator().manual_seed(seed)
@@ -260,7 +272,7 @@ def clip_like(
     gap_txt = _unit(torch.randn(d, generator=g))
     classes = _unit(torch.randn(k, d, generator=g))
     image_dirs = _unit(classes + geo.tilt * _unit(torch.randn(k, d, generator=g)))
-    labels = torch.arange(n) % k
+    labels = torch.randint(k, (n,), generator=g) if sampled else torch.arange(n) % k
     features = torch.empty(n, d)
     for start in range(0, n, chunk):
         y = labels[start : start + chunk]
