@@ -207,19 +207,22 @@ def _sums(
     log_partition = torch.zeros((), dtype=torch.float64)
     mass = torch.zeros(k, dtype=torch.float64)
     curvature = torch.zeros(k, dtype=torch.float64)
-    products = torch.zeros(k, k, dtype=torch.float64) if outer else None
+    products = None  # summed where the chunks are: one copy to the host, not one per chunk
     for posterior, top in unnormalised(source, shift, exp):
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
         count += posterior.shape[0]
         log_partition += float((top + norm.log()).sum(dtype=torch.float64))
-        if products is not None:  # the Newton direction only: its rounding moves the path,
-            products += (posterior.T @ posterior).double().cpu()  # not the fixed point
+        if outer:  # the Newton direction only: its rounding moves the path, not the fixed point
+            product = (posterior.T @ posterior).double()
+            products = product if products is None else products.add_(product)
         if source.exact:  # sums over samples in float64: no rounding that follows the chunks
             posterior = posterior.double()
         column = posterior.sum(0)
         mass += column.double().cpu()
         curvature += (column - posterior.square_().sum(0)).double().cpu()
+    if outer:
+        products = torch.zeros(k, k, dtype=torch.float64) if products is None else products.cpu()
     return _MassSums(count, log_partition, mass, curvature, products)
 
 

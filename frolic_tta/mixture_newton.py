@@ -67,7 +67,7 @@ def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
     head = torch.zeros(3, dtype=torch.float64)
     gradient = torch.zeros(k, dtype=torch.float64)
     size = 0 if columns is None else int(columns.numel())
-    hessian = torch.zeros(size, size, dtype=torch.float64)
+    hessian = None  # summed where the chunks are (one copy to the host per pass, not per chunk)
     tiny = torch.finfo(torch.float64).tiny
     weights = x.to(torch.float64)
     for _, logits in source.chunks():
@@ -84,8 +84,11 @@ def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
         gradient += scaled.sum(0).cpu()
         if size:
             block = scaled[:, columns.to(scaled.device)]
-            hessian += (block.t() @ block).cpu()
-    return torch.cat([head, gradient, hessian.flatten()])
+            product = block.t() @ block
+            hessian = product if hessian is None else hessian.add_(product)
+    if hessian is None:
+        hessian = torch.zeros(size, size, dtype=torch.float64)
+    return torch.cat([head, gradient, hessian.cpu().flatten()])
 
 
 def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) -> Tensor:
