@@ -1,7 +1,9 @@
 """Finalize cost from features (no encoder): wall time per phase, passes over N x K, peak memory.
 
 Run: ``python benchmarks/finalize.py`` (about 30 minutes on 2 CPU cores, 20 of them the 21k case
-at N = 30,000; ``--quick``: seconds).
+at N = 30,000, plus about an hour for issue 35 item 2's 21k world: one fit of it took 30 minutes
+at N = 30,000 (other jobs on the cores), and this script fits it twice, audit included; not yet run
+here: ``--only`` picks cases; ``--quick``: seconds).
 Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
 
 Every case runs in a fresh subprocess so its peak memory is its own; its timed run is repeated
