@@ -12,9 +12,8 @@
 #   bash benchmarks/cuda.sh all      also the earlier GPU benchmarks (finalize.py's ImageNet and
 #                                    21k cases, precision, soft sums, overhead: about 7 minutes
 #                                    more on an H100, 2026-11-26; the full 21k case about 35 s;
-#                                    finalize_21k_item2: issue 35 item 2's 21k world, N = 200,000,
-#                                    after an audit run: over 240 s on an H200, 2026-11-27;
-#                                    trace_21k: the same world, one run, printed as it goes)
+#                                    trace_21k: issue 35 item 2's 21k world, N = 200,000, printed
+#                                    as it goes: 131 s on an H200, 2026-11-27)
 #   bash benchmarks/cuda.sh STEP...  the named steps (the names below)
 #
 # Each step has its own time limit and the next one runs whatever happened. Every step's output
@@ -48,10 +47,8 @@ run() {  # run STEP
       --exact --only "ImageNet, ViT-B-16" --only "ImageNet, ViT-B-16, balanced test prior" \
       --only "ImageNet, ViT-B-16, raw head labels (previous default)" \
       --only "ImageNet, ViT-B-16, float64 reference" ;;
-    finalize_21k) step finalize_21k 240 5 "$PY" benchmarks/finalize.py --device cuda --exact \
-      --only "ImageNet-21k, streaming" --n21k 200000 ;;
-    finalize_21k_item2) step finalize_21k_item2 240 5 "$PY" benchmarks/finalize.py --device cuda \
-      --exact --only "ImageNet-21k, issue 35 item 2" --n21k 200000 ;;
+    finalize_21k) step finalize_21k 240 5 "$PY" benchmarks/finalize.py --device cuda --only 21k \
+      --n21k 200000 ;;
     trace_21k) step trace_21k 240 12 "$PY" benchmarks/trace_21k.py --device cuda ;;
     precision) step precision 45 5 "$PY" benchmarks/precision.py --device cuda ;;
     soft_sums) step soft_sums 80 5 "$PY" benchmarks/soft_sums.py --device cuda ;;
@@ -61,7 +58,7 @@ run() {  # run STEP
   esac
 }
 DEFAULT="tests pipeline finalize_syncs batch_path"
-EARLIER="trace_21k finalize_imagenet finalize_21k finalize_21k_item2 precision soft_sums overhead"
+EARLIER="trace_21k finalize_imagenet finalize_21k precision soft_sums overhead"
 if [ $# -eq 0 ]; then set -- $DEFAULT; elif [ "$1" = all ]; then set -- $DEFAULT $EARLIER; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$PY" -c "import torch, lightning, open_clip; print(torch.__version__, lightning.__version__, open_clip.__version__)"

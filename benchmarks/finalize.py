@@ -1,9 +1,7 @@
 """Finalize cost from features (no encoder): wall time per phase, passes over N x K, peak memory.
 
 Run: ``python benchmarks/finalize.py`` (about 30 minutes on 2 CPU cores, 20 of them the 21k case
-at N = 30,000, plus about an hour for issue 35 item 2's 21k world: one fit of it took 30 minutes
-at N = 30,000 (other jobs on the cores), and this script fits it twice, audit included; not yet run
-here: ``--only`` picks cases; ``--quick``: seconds).
+at N = 30,000; ``--quick``: seconds). Issue 35 item 2's 21k world: ``trace_21k.py``.
 Writes ``benchmarks/results/finalize.json`` (``finalize_cuda.json`` with ``--device cuda``).
 
 Every case runs in a fresh subprocess so its peak memory is its own; its timed run is repeated
@@ -96,20 +94,6 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
             n_run=30_000,
             chunk_size=1024,
             keep_logits=False,
-        ),
-        # issue 35, item 2's world as its report ran it (N = 200,000, ~9 samples per class drawn
-        # from a uniform prior, zero-shot ~0.36, chunks of 4,096): 834 passes, unconverged, on
-        # an H200 then; run at N = 30,000 on the CPU (--n21k sets N for both 21k cases)
-        case(
-            "ImageNet-21k, issue 35 item 2",
-            200_000,
-            21_841,
-            512,
-            n_run=30_000,
-            chunk_size=4096,
-            keep_logits=False,
-            geometry="imagenet-21k",
-            sampled=True,
         ),
     ]
 
@@ -225,7 +209,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     """One case in this (fresh) process; returns the measurements."""
     device = torch.device(case["device"])
     n, k, d = case["n_run"], case["k"], case["d"]
-    x, z, labels = common.clip_like(n, k, d, case["geometry"], sampled=case.get("sampled", False))
+    x, z, labels = common.clip_like(n, k, d, case["geometry"])
     x, z = x.to(device), z.to(device)
     outputs = []  # the module's placeholders, one dict per batch, allocated while encoding
     for start in range(0, n, case["batch_size"]):

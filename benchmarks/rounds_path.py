@@ -16,6 +16,7 @@ import label_shift
 import torch
 
 import frolic_tta
+from frolic_tta import accuracy
 from frolic_tta.options import FrolicOptions, SolverOptions
 
 WORLDS = (
@@ -42,9 +43,9 @@ def main() -> None:
                 started = time.perf_counter()
                 result = frolic_tta.frolic(x, z, options, tau_c=tau_c, normalize=False)
                 seconds = time.perf_counter() - started
-                accuracy = float((result.logits.argmax(1) == y).double().mean())
+                correct = accuracy(result.logits, y)
                 error = float((result.priors.test_prior - truth).abs().sum())
-                cells.append(f"r{rounds} {accuracy:.4f}/{error:.3f}/{seconds:.1f}s")
+                cells.append(f"r{rounds} {correct:.4f}/{error:.3f}/{seconds:.1f}s")
             print(f"{name}, {seed}: " + "  ".join(cells), flush=True)
 
 
