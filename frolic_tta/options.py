@@ -89,7 +89,9 @@ class SolverOptions:
         max_iter: cap on the label-bias iterations.
         prior_rounds: refits of the mixture under the debiased posterior once the
             balanced one shows an imbalanced test set (``test_prior="em"``,
-            :mod:`frolic_tta.prior`); each refit's weights are solved to ``prior_tol``.
+            :mod:`frolic_tta.prior`); the last refit's weights are solved to ``prior_tol``,
+            the others' (they only seed the next refit) too up to 4,096 classes, above it
+            until EM's passes gain little (:data:`~frolic_tta.mixture.SETTLE_SHARE`).
         prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
             a solve is converged when its optimality gap is also at most 1e-5 nats per sample
             (:data:`~frolic_tta.mixture_newton.KKT_TOL`, else Newton steps go on); one that

@@ -39,12 +39,17 @@ more is done.
 
 **Refits.** Otherwise ``rounds`` times: match ``source`` to :math:`\tilde\pi`, refit the mixture
 under that posterior, solve its weights again and update :math:`w` from the new :math:`\Lambda`.
+Only the last refit's weights are the estimate; the balanced refit's and the intermediate
+rounds' only seed the next refit, so above 4,096 classes, where the solve's tail is block
+Newton steps, they stop once EM's passes gain little (``settle`` of
+:func:`~frolic_tta.mixture.mixture_weights`; ImageNet-21k, issue 35 item 2).
 
 **Exactness.** The estimate is a fixed, defined computation (the balanced refit, then
-``rounds`` refits), and every solve in it runs to its tolerance with its stop test on reduced
-values, so 1, 2 or 3 processes, any chunk size and any thread count give the same prior up to
-rounding: the soft sums behind each refit are float64 where that is cheap
-(:mod:`frolic_tta.soft_sums`). ``converged`` reports whether every weight solve reached ``tol``.
+``rounds`` refits), and every solve in it runs to its tolerance (or settles, above) with its
+stop test on reduced values, so 1, 2 or 3 processes, any chunk size and any thread count give
+the same prior up to rounding: the soft sums behind each refit are float64 where that is cheap
+(:mod:`frolic_tta.soft_sums`). ``converged`` reports whether every weight solve reached ``tol``
+(or settled).
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -87,8 +92,9 @@ class TestPriorEstimate:
         bias: the matching of ``source`` to ``prior`` (:math:`\hat\beta`, the offset).
         rounds: refits after the balanced one (0: taken as balanced).
         passes: passes over the logits or features (each with one reduction).
-        converged: every solve of the mixture weights reached ``tol`` (the matching of the
-            logits reports its own convergence, :class:`~frolic_tta.matching.MassMatch`).
+        converged: every solve of the mixture weights reached ``tol`` or settled (the
+            matching of the logits reports its own convergence,
+            :class:`~frolic_tta.matching.MassMatch`).
         head: the last mixture refitted (its component log-likelihoods are in ``buffer``), or
             ``None`` where it could not be fitted.
     """
@@ -168,9 +174,10 @@ def estimate_test_prior(
     fitted: list[GaussianHead] = []  # the last mixture refitted
 
     def weights(
-        bias: MassMatch, init: Tensor | None, below: float | None = None
+        bias: MassMatch, init: Tensor | None, below: float | None = None, settle: bool = False
     ) -> tuple[Tensor, float, int, bool]:
-        """Refit the mixture under the posterior of ``bias``; its ML weights (and passes)."""
+        """Refit the mixture under the posterior of ``bias``; its ML weights (and passes);
+        ``settle``: they only seed the next refit (:func:`~frolic_tta.mixture.mixture_weights`)."""
         local = posterior_sums(source, bias.log_offset, features, bias.exponentials, sums.count)
         packed = reduce_fn(local)
         refit = refitted_sums(sums, packed)
@@ -180,7 +187,7 @@ def estimate_test_prior(
         if buffer is not None:  # one pass of x W^T; the weights' EM steps then read the buffer
             components = fill(buffer, components)
         raw, ratio, inner, done = mixture_weights(
-            components, init, tol=tol, reduce_fn=reduce_fn, below=below
+            components, init, tol=tol, reduce_fn=reduce_fn, below=below, settle=settle
         )
         return raw, ratio, 1 + inner + (buffer is not None), done
 
@@ -190,7 +197,7 @@ def estimate_test_prior(
     try:
         # the balanced refit only decides whether w = 0 (Lambda <= c (K - 1)): its weights stop
         # as soon as that is certain
-        raw, ratio, passes, converged = weights(bias, None, evidence * (k - 1) or None)
+        raw, ratio, passes, converged = weights(bias, None, evidence * (k - 1) or None, rounds > 0)
     except (ValueError, torch.linalg.LinAlgError) as error:  # identical on every shard
         warnings.warn(
             f"the test prior cannot be estimated on these features ({error}); the test set is "
@@ -208,9 +215,9 @@ def estimate_test_prior(
             passes += bias.evaluations
         bias = replace(bias, exponentials=None)  # the buffer holds the refit's logits now
         return TestPriorEstimate(uniform, raw, 0.0, ratio, bias, 0, passes, converged, fitted[-1])
-    for _ in range(rounds):
+    for round_ in range(rounds):  # all but the last only seed the next refit: settled
         bias = match(_shrunk(raw, weight, prior_floor), bias, lend=True)
-        raw, ratio, inner, done = weights(bias, raw)
+        raw, ratio, inner, done = weights(bias, raw, settle=round_ < rounds - 1)
         weight = shrink_weight(ratio, k, evidence)
         passes += bias.evaluations + inner
         converged = converged and done
