@@ -214,15 +214,16 @@ def mixture_weights(
         new = sums.responsibility / sums.count
         return new / new.sum(), sums
 
+    def lam(at: _MixtureSums, gap: float = 0.0) -> float:  # Lambda at pi (+ gap: a bound)
+        return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap)
+
     def certain(at: _MixtureSums, prior: Tensor) -> bool:
         if below is None:
             return False
-        gap = float(at.gradient.max() - at.count)
-        return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap) <= below
+        return lam(at, float(at.gradient.max() - at.count)) <= below
 
     def undecided(at: _MixtureSums) -> bool:  # Lambda <= below is still possible
-        ratio = 2.0 * float(at.log_likelihood - at.uniform_log_likelihood)
-        return below is not None and ratio <= below
+        return below is not None and lam(at) <= below
 
     block_after = BLOCK_AFTER if init is None else WARM_BLOCK_AFTER
     passes, converged = 0, False
@@ -259,7 +260,8 @@ def mixture_weights(
             candidate = second
             after, at_candidate = step(candidate)
             passes += 1
-        gain = float(at_candidate.log_likelihood - at_pi.log_likelihood)
+        if settle:
+            gain = float(at_candidate.log_likelihood - at_pi.log_likelihood)
         pi, first, at_pi = candidate, after, at_candidate
     likelihood, uniform = at_pi.log_likelihood, at_pi.uniform_log_likelihood
     if not converged and passes < max_passes:  # EM crawls: Newton steps on the same problem

@@ -196,8 +196,9 @@ def estimate_test_prior(
     bias = match(uniform, cap=min(match_max_iter, start_passes or START_PASSES), lend=True)
     try:
         # the balanced refit only decides whether w = 0 (Lambda <= c (K - 1)): its weights stop
-        # as soon as that is certain
-        raw, ratio, passes, converged = weights(bias, None, evidence * (k - 1) or None, rounds > 0)
+        # as soon as that is certain (and, with refits to follow, settle)
+        below = evidence * (k - 1) or None
+        raw, ratio, passes, converged = weights(bias, None, below, settle=rounds > 0)
     except (ValueError, torch.linalg.LinAlgError) as error:  # identical on every shard
         warnings.warn(
             f"the test prior cannot be estimated on these features ({error}); the test set is "

@@ -71,8 +71,8 @@ def test_a_settled_solve_stops_early_only_where_block_steps_would_follow(monkeyp
         return float(torch.logsumexp(g + pi.clamp(min=1e-300).log(), 1).sum())
 
     solve = partial(mixture.mixture_weights, TensorLogits(loglik, 256), tol=1e-7)
-    unsettled, settled = solve(settle=True), solve()  # K = 200 <= MAX_COLUMNS: not settled
-    assert torch.equal(unsettled[0], settled[0]) and unsettled[1:] == settled[1:]
+    asked, plain = solve(settle=True), solve()  # K = 200 <= MAX_COLUMNS: not settled
+    assert torch.equal(asked[0], plain[0]) and asked[1:] == plain[1:]
     monkeypatch.setattr(mixture, "MAX_COLUMNS", 64)
     monkeypatch.setattr(mixture_newton, "MAX_COLUMNS", 64)
     monkeypatch.setattr(mixture_newton, "BLOCK_COLUMNS", 48)
