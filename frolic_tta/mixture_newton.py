@@ -91,26 +91,86 @@ def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
     return torch.cat([head, gradient, hessian.cpu().flatten()])
 
 
+PIVOT_PASSES = 50
+"""Largest number of solves :func:`_pivoted_qp` takes before the active-set method takes over
+(the 21k world's steps need 1 to 4)."""
+
+
+def _solve_on(hessian: Tensor, linear: Tensor, passive: Tensor, ridge: float) -> Tensor | None:
+    """``y`` with ``y_P = (H_PP + ridge I)^{-1} b_P`` (Cholesky) on the classes ``passive``, 0
+    elsewhere; ``None`` where the block is numerically singular despite the ridge."""
+    index = passive.nonzero().squeeze(1)
+    block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
+    factor, info = torch.linalg.cholesky_ex(block)
+    if int(info) != 0:
+        return None
+    y = torch.zeros_like(linear)
+    y[index] = torch.cholesky_solve(linear[index].unsqueeze(1), factor).squeeze(1)
+    return y
+
+
+def _pivoted_qp(
+    hessian: Tensor, linear: Tensor, start: Tensor, tol: float, ridge: float
+) -> Tensor | None:
+    r"""The quadratic program of :func:`_nonnegative_qp` by block principal pivoting (Júdice &
+    Pires 1994, the NNLS solver of Kim & Park 2011): solve on the classes ``P`` (first those
+    where ``start > 0``), then move *every* class that breaks an optimality condition
+    (:math:`y_j \le 0` in ``P``, :math:`(Hy - b)_j < -` ``tol`` outside it) across; where that
+    stops shrinking the count of such classes for 3 solves, only the last of them moves (its
+    rule: finite for a positive-definite ``H``). Returns ``y`` once no class breaks a condition
+    (the active-set method's own stop), or ``None`` after :data:`PIVOT_PASSES` solves or a
+    singular block.
+
+    The active-set method moves one class a solve: at K = 21,841 (N = 30,000) a block step's
+    program dropped 162 of its 2,048 classes in 162 Cholesky factorisations (7.3 s on 2 cores);
+    this takes 4 solves (0.21 s) to the same ``y``.
+    """
+    passive = start > 0
+    fewest, tries = linear.shape[0] + 1, 3
+    for _ in range(PIVOT_PASSES):
+        y = _solve_on(hessian, linear, passive, ridge)
+        if y is None:
+            return None
+        broken = torch.where(passive, y <= 0, hessian @ y - linear < -tol)
+        count = int(broken.sum())
+        if count == 0:
+            return y
+        if count < fewest:
+            fewest, tries = count, 3
+        elif tries > 0:
+            tries -= 1
+        else:
+            last = int(broken.nonzero().max())
+            broken = torch.zeros_like(broken)
+            broken[last] = True
+        passive ^= broken
+    return None
+
+
 def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) -> Tensor:
-    r"""``argmin_{y >= 0} 1/2 y^T H y - b^T y`` by a primal active-set method from the
-    feasible ``start`` (Lawson-Hanson's, with ``H`` for ``A^T A``); ``H`` gets a ridge of
-    :math:`10^{-10}` of its mean diagonal (it is singular where C exceeds N)."""
+    r"""``argmin_{y >= 0} 1/2 y^T H y - b^T y``: by block principal pivoting
+    (:func:`_pivoted_qp`), else by a primal active-set method from the feasible ``start``
+    (Lawson-Hanson's, with ``H`` for ``A^T A``); ``H`` gets a ridge of :math:`10^{-10}` of its
+    mean diagonal (it is singular where C exceeds N). Both stop at the same conditions: ``y``
+    solves the program on its support, whose classes are positive, and
+    :math:`(Hy - b)_j \ge -` ``tol`` off it."""
     c = linear.shape[0]
     ridge = 1e-10 * float(hessian.diagonal().mean().clamp(min=1e-300))
+    pivoted = _pivoted_qp(hessian, linear, start, tol, ridge)
+    if pivoted is not None:
+        return pivoted
     y = start.clone()
     passive = y > 0
     if not bool(passive.any()):
         passive[int(linear.argmax())] = True
     for _ in range(3 * c + 100):
         index = passive.nonzero().squeeze(1)
-        block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
-        factor, info = torch.linalg.cholesky_ex(block)
-        if int(info) != 0:  # numerically singular despite the ridge: least squares
-            solved = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
-        else:
-            solved = torch.cholesky_solve(linear[index].unsqueeze(1), factor).squeeze(1)
-        z = torch.zeros_like(y)
-        z[index] = solved
+        z = _solve_on(hessian, linear, passive, ridge)
+        if z is None:  # numerically singular despite the ridge: least squares
+            block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
+            z = torch.zeros_like(y)
+            z[index] = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
+        solved = z[index]
         if bool((solved > 0).all()):
             y = z
             free = linear - hessian @ y  # minus the gradient of the quadratic
