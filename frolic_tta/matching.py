@@ -184,9 +184,12 @@ def unnormalised(
             work = workspace(work, values)
             yield torch.mul(values, scale, out=work[0]), exp.tops[start : start + exp.rows] + high
         return
+    moved: Tensor | None = None  # the shift's one copy to the chunks' device
     for _, logits in source.chunks():
         work = workspace(work, logits)
-        posterior = torch.add(logits, shift.to(logits), out=work[0])
+        if moved is None or moved.device != logits.device or moved.dtype != logits.dtype:
+            moved = shift.to(logits)
+        posterior = torch.add(logits, moved, out=work[0])
         top = posterior.amax(dim=1, keepdim=True)
         yield flushed_exp(posterior.sub_(top)), top
 
@@ -204,26 +207,29 @@ def _sums(
     """
     k = shift.shape[0]
     count = torch.zeros((), dtype=torch.float64)
-    log_partition = torch.zeros((), dtype=torch.float64)
-    mass = torch.zeros(k, dtype=torch.float64)
-    curvature = torch.zeros(k, dtype=torch.float64)
-    products = None  # summed where the chunks are: one copy to the host, not one per chunk
+    # summed where the chunks are: no synchronisation a chunk, one copy to the host a pass
+    sums = torch.zeros(1 + 2 * k, dtype=torch.float64)
+    products = None
     for posterior, top in unnormalised(source, shift, exp):
+        if sums.device != posterior.device:
+            sums = sums.to(posterior.device)
+        log_partition, mass, curvature = sums[0], sums[1 : 1 + k], sums[1 + k :]
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
         count += posterior.shape[0]
-        log_partition += float((top + norm.log()).sum(dtype=torch.float64))
+        log_partition += (top + norm.log()).sum(dtype=torch.float64)
         if outer:  # the Newton direction only: its rounding moves the path, not the fixed point
             product = (posterior.T @ posterior).double()
             products = product if products is None else products.add_(product)
         if source.exact:  # sums over samples in float64: no rounding that follows the chunks
             posterior = posterior.double()
         column = posterior.sum(0)
-        mass += column.double().cpu()
-        curvature += (column - posterior.square_().sum(0)).double().cpu()
+        mass += column.double()
+        curvature += (column - posterior.square_().sum(0)).double()
     if outer:
         products = torch.zeros(k, k, dtype=torch.float64) if products is None else products.cpu()
-    return _MassSums(count, log_partition, mass, curvature, products)
+    sums = sums.cpu()
+    return _MassSums(count, sums[0], sums[1 : 1 + k], sums[1 + k :], products)
 
 
 def match_class_masses(

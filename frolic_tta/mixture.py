@@ -66,14 +66,20 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
     weights are below :math:`10^{-38}` of the largest).
     """
     k = source.num_classes
-    total = torch.zeros(3, dtype=torch.float64)
-    responsibility = torch.zeros(k, dtype=torch.float64)
-    gradient = torch.zeros(k, dtype=torch.float64)
     top_prior = float(log_prior.max())
     weights = torch.exp(log_prior - top_prior)
     work: Tensor | None = None  # two chunk-sized temporaries for every chunk
+    # summed where the chunks are (float64, added in the same order as on the host): no
+    # synchronisation a chunk, one copy to the host a pass
+    total = torch.zeros(3, dtype=torch.float64)
+    responsibility = torch.zeros(k, dtype=torch.float64)
+    gradient = torch.zeros(k, dtype=torch.float64)
+    scaled: Tensor | None = None
     for _, logits in source.chunks():
-        scaled = weights.to(logits)
+        if scaled is None or scaled.device != logits.device or scaled.dtype != logits.dtype:
+            scaled = weights.to(logits)  # the weights' one copy to the device
+            sums = (total, responsibility, gradient)
+            total, responsibility, gradient = (s.to(logits.device) for s in sums)
         tiny = torch.finfo(logits.dtype).tiny
         top = logits.amax(dim=1, keepdim=True)
         work = workspace(work, logits, 2)
@@ -81,14 +87,16 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
         norm = torch.mul(exp, scaled, out=work[1]).sum(1).clamp_(min=tiny)  # (n,), pairwise
         total[0] += logits.shape[0]
         top = top.squeeze(1).double()
-        total[1] += float((top + norm.log().double()).sum()) + logits.shape[0] * top_prior
-        total[2] += float((top + exp.sum(1).log().double()).sum()) - logits.shape[0] * math.log(k)
+        total[1] += (top + norm.log().double()).sum() + logits.shape[0] * top_prior
+        total[2] += (top + exp.sum(1).log().double()).sum() - logits.shape[0] * math.log(k)
         posterior = exp.div_(norm.unsqueeze(1))
+        weighted = scaled
         if source.exact:  # sums over samples in float64: no rounding that follows the chunks
-            posterior, scaled = posterior.double(), scaled.double()
+            posterior, weighted = posterior.double(), scaled.double()
         column = posterior.sum(0)  # pairwise: rounding far below tol
-        responsibility += (column * scaled).double().cpu()
-        gradient += column.double().cpu()
+        responsibility += (column * weighted).double()
+        gradient += column.double()
+    total, responsibility, gradient = (s.cpu() for s in (total, responsibility, gradient))
     gradient /= math.exp(top_prior)  # d l / d pi_j = sum_i e_ij / (pi_max (e w)_i)
     return _MixtureSums(total[0], total[1], total[2], responsibility, gradient)
 

@@ -62,33 +62,34 @@ asking in: a sample whose classes all have weight ~0 makes the quadratic model's
 
 def _sums(source: LogitSource, x: Tensor, columns: Tensor | None) -> Tensor:
     """Packed ``[N, sum_i (m_i + ln u_i), sum_i lse(g_i), G (K,), H (C*C,)]`` of the shard,
-    ``G = e^T (1/u)`` and ``H = (e_C/u)^T (e_C/u)`` (float64)."""
+    ``G = e^T (1/u)`` and ``H = (e_C/u)^T (e_C/u)`` (float64), summed where the chunks are:
+    no synchronisation a chunk, one copy to the host a pass."""
     k = source.num_classes
-    head = torch.zeros(3, dtype=torch.float64)
-    gradient = torch.zeros(k, dtype=torch.float64)
     size = 0 if columns is None else int(columns.numel())
-    hessian = None  # summed where the chunks are (one copy to the host per pass, not per chunk)
     tiny = torch.finfo(torch.float64).tiny
     weights = x.to(torch.float64)
+    packed = torch.zeros(3 + k + size * size, dtype=torch.float64)
+    head, gradient, hessian = packed[:3], packed[3 : 3 + k], packed[3 + k :].view(size, size)
     for _, logits in source.chunks():
         g = logits.to(torch.float64, copy=True)  # float64 logits: worked on in place below
+        if packed.device != g.device:  # the first chunk: the sums and weights go to its device
+            packed, weights = packed.to(g.device), weights.to(g.device)
+            head, gradient = packed[:3], packed[3 : 3 + k]
+            hessian = packed[3 + k :].view(size, size)
+            columns = None if columns is None else columns.to(g.device)
         top = g.amax(dim=1, keepdim=True)
         e = flushed_exp(g.sub_(top))
-        weights = weights.to(e.device)  # a no-op after the first chunk
         u = (e @ weights).clamp_(min=tiny)
-        top = top.squeeze(1).cpu()
+        top = top.squeeze(1)
         head[0] += g.shape[0]
-        head[1] += float((top + u.log().cpu()).sum())
-        head[2] += float((top + e.sum(1).log().cpu()).sum())
+        head[1] += (top + u.log()).sum()
+        head[2] += (top + e.sum(1).log()).sum()
         scaled = e.div_(u.unsqueeze(1))
-        gradient += scaled.sum(0).cpu()
+        gradient += scaled.sum(0)
         if size:
-            block = scaled[:, columns.to(scaled.device)]
-            product = block.t() @ block
-            hessian = product if hessian is None else hessian.add_(product)
-    if hessian is None:
-        hessian = torch.zeros(size, size, dtype=torch.float64)
-    return torch.cat([head, gradient, hessian.cpu().flatten()])
+            block = scaled[:, columns]
+            hessian += block.t() @ block
+    return packed.cpu()
 
 
 PIVOT_PASSES = 50
