@@ -14,7 +14,8 @@
 #                                    more on an H100, 2026-11-26; the full 21k case about 35 s;
 #                                    trace_21k: issue 35 item 2's 21k world, N = 200,000, printed
 #                                    as it goes: 131 s on an H200, 2026-11-27; trace_21k_kept:
-#                                    the same with the N x K logits held, not in "all")
+#                                    the same with the N x K logits held, and
+#                                    trace_21k_balanced: finalize.py's 21k world, are not in "all")
 #   bash benchmarks/cuda.sh STEP...  the named steps (the names below)
 #
 # Each step has its own time limit and the next one runs whatever happened. Every step's output
@@ -53,6 +54,8 @@ run() {  # run STEP
     trace_21k) step trace_21k 240 16 "$PY" benchmarks/trace_21k.py --device cuda ;;
     trace_21k_kept) step trace_21k_kept 150 16 "$PY" benchmarks/trace_21k.py --device cuda \
       --keep-logits ;;
+    trace_21k_balanced) step trace_21k_balanced 150 16 "$PY" benchmarks/trace_21k.py \
+      --device cuda --balanced --chunk-size 1024 ;;
     precision) step precision 45 5 "$PY" benchmarks/precision.py --device cuda ;;
     soft_sums) step soft_sums 80 5 "$PY" benchmarks/soft_sums.py --device cuda ;;
     overhead) step overhead 55 5 "$PY" benchmarks/overhead.py --device cuda --precision 16-mixed \

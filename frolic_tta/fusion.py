@@ -112,6 +112,7 @@ def choose_fusion(
     reduce_fn: ReduceFn,
     chunk_size: int | None,
     alone: LogitSource | None = None,
+    zero_shot_beta: Tensor | None = None,
 ) -> FusionChoice:
     r"""The pooled fusion or the head alone (module docstring).
 
@@ -129,6 +130,13 @@ def choose_fusion(
         chunk_size: rows per chunk.
         alone: the head alone's logits :math:`f_g/\tau_g`, already at hand (:func:`fuse`'s
             ``head_out``), or ``None``: recomputed by chunks at every pass.
+        zero_shot_beta: ``(K,)`` :math:`\hat\beta_c`, :math:`f_c/\tau_c` matched to ``prior``,
+            or ``None``. With it the head alone's matching starts from
+            :math:`\hat\beta_f^{1/\omega}/\hat\beta_c` (:math:`\hat\beta_f` the pooled one's,
+            :math:`\omega = \tfrac12`), where the pooled logits' bias would be were the
+            matchings log-linear in the logits (as the pooled matching starts from
+            :math:`\hat\beta_c^\omega`); else from uniform. 21k world, N = 30,000: 3 passes
+            instead of 7.
     """
     exact = pooled.exact
     span = data_span(sums)
@@ -140,7 +148,12 @@ def choose_fusion(
     if alone is None:
         scaled = AffineMap(gaussian.weight / tau_g, gaussian.bias / tau_g, gaussian.center)
         alone = scaled.source(features, chunk_size, exact)
-    alone_bias = match(alone)
+    if zero_shot_beta is None:
+        alone_bias = match(alone)
+    else:  # ln beta_g = ln beta_f / omega - ln beta_c, up to a constant (the matching's gauge)
+        start = pooled_bias.beta.log() / pool_weight("selected") - zero_shot_beta.log()
+        start = torch.exp(start - start.max())
+        alone_bias = match(alone, init=start / start.sum())
     at_alone = label_likelihood(features, prototypes, alone, alone_bias, *common)
     passes = 4 + alone_bias.evaluations
     gap = at_alone - at_pooled - 0.5 * prototypes.shape[0] * rank

@@ -335,6 +335,7 @@ def fit_frolic(
             reduce_fn=reduce_fn,
             chunk_size=chunk_size,
             alone=None if alone is None else TensorLogits(alone, chunk_size, zero_shot.exact),
+            zero_shot_beta=None if head_bias is None else head_bias.beta,
         )
         fusion_gap = choice.gap
         if choice.head_alone:  # f_f = f_g / tau_g
