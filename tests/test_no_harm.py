@@ -108,3 +108,34 @@ def test_a_random_encoder_gets_a_balanced_test_prior_not_noise():
     assert frolic_tta.accuracy(tested.logits, labels) > f_c + 0.15  # 0.299
     assert taken.priors.shift_weight == 1.0 and taken.priors.test_prior.min() < 1e-3
     assert frolic_tta.accuracy(taken.logits, labels) < f_c
+
+
+def test_the_head_alones_matching_starts_where_the_pooled_one_points(monkeypatch):
+    """The fusion choice matches f_g / tau_g to the test prior starting from
+    beta_f^(1/omega) / beta_c (omega = 1/2) instead of from uniform. On the README's world
+    (the head alone is kept): the same choice in fewer passes, and both matchings meet their
+    stop, class masses within eps = 0.01 of the prior in L1."""
+    import frolic_tta.pipeline as pipeline
+    from frolic_tta.logits import materialise
+
+    world = clip_world(num_samples=2000, seed=0)
+    original, choices = pipeline.choose_fusion, []
+
+    def recorded(*args, cold=False, **kwargs):
+        if cold:
+            kwargs["zero_shot_beta"] = None
+        choice = original(*args, **kwargs)
+        logits = materialise(choice.source) - choice.bias.beta.log().to(torch.float32)
+        masses = torch.softmax(logits.double(), dim=1).mean(0)
+        choices.append((choice, float((masses - args[7].double()).abs().sum())))
+        return choice
+
+    for cold in (False, True):
+        monkeypatch.setattr(
+            pipeline, "choose_fusion", lambda *a, cold=cold, **k: recorded(*a, cold=cold, **k)
+        )
+        accuracies(world)
+    (warm, warm_error), (uniform, uniform_error) = choices
+    assert warm.head_alone and uniform.head_alone
+    assert warm.passes < uniform.passes
+    assert warm_error < 0.01 and uniform_error < 0.01
