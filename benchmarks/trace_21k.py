@@ -60,12 +60,12 @@ def main() -> None:
     print(f"moments {common.now() - start:.1f} s", flush=True)
     passes = [0]
     programs = [0, 0.0]  # the Newton steps' quadratic programs: count, seconds
-    solve = mixture_newton._nonnegative_qp
+    program = mixture_newton._nonnegative_qp
 
     def timed_qp(*args: object) -> torch.Tensor:
         begin = common.now()
         try:
-            return solve(*args)
+            return program(*args)
         finally:
             programs[0] += 1
             programs[1] += common.now() - begin

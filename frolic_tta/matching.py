@@ -209,11 +209,12 @@ def _sums(
     count = torch.zeros((), dtype=torch.float64)
     # summed where the chunks are: no synchronisation a chunk, one copy to the host a pass
     sums = torch.zeros(1 + 2 * k, dtype=torch.float64)
+    log_partition, mass, curvature = sums[0], sums[1 : 1 + k], sums[1 + k :]
     products = None
     for posterior, top in unnormalised(source, shift, exp):
         if sums.device != posterior.device:
             sums = sums.to(posterior.device)
-        log_partition, mass, curvature = sums[0], sums[1 : 1 + k], sums[1 + k :]
+            log_partition, mass, curvature = sums[0], sums[1 : 1 + k], sums[1 + k :]
         norm = posterior.sum(dim=1, keepdim=True)
         posterior.div_(norm)
         count += posterior.shape[0]

@@ -69,17 +69,16 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
     top_prior = float(log_prior.max())
     weights = torch.exp(log_prior - top_prior)
     work: Tensor | None = None  # two chunk-sized temporaries for every chunk
-    # summed where the chunks are (float64, added in the same order as on the host): no
-    # synchronisation a chunk, one copy to the host a pass
-    total = torch.zeros(3, dtype=torch.float64)
-    responsibility = torch.zeros(k, dtype=torch.float64)
-    gradient = torch.zeros(k, dtype=torch.float64)
+    # packed as _MixtureSums.pack() and summed where the chunks are (float64, added in the same
+    # order as on the host): no synchronisation a chunk, one copy to the host a pass
+    packed = torch.zeros(3 + 2 * k, dtype=torch.float64)
+    total, responsibility, gradient = packed[:3], packed[3 : 3 + k], packed[3 + k :]
     scaled: Tensor | None = None
     for _, logits in source.chunks():
         if scaled is None or scaled.device != logits.device or scaled.dtype != logits.dtype:
             scaled = weights.to(logits)  # the weights' one copy to the device
-            sums = (total, responsibility, gradient)
-            total, responsibility, gradient = (s.to(logits.device) for s in sums)
+            packed = packed.to(logits.device)
+            total, responsibility, gradient = packed[:3], packed[3 : 3 + k], packed[3 + k :]
         tiny = torch.finfo(logits.dtype).tiny
         top = logits.amax(dim=1, keepdim=True)
         work = workspace(work, logits, 2)
@@ -96,9 +95,9 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
         column = posterior.sum(0)  # pairwise: rounding far below tol
         responsibility += (column * weighted).double()
         gradient += column.double()
-    total, responsibility, gradient = (s.cpu() for s in (total, responsibility, gradient))
-    gradient /= math.exp(top_prior)  # d l / d pi_j = sum_i e_ij / (pi_max (e w)_i)
-    return _MixtureSums(total[0], total[1], total[2], responsibility, gradient)
+    sums = _MixtureSums.unpack(packed.cpu())
+    sums.gradient.div_(math.exp(top_prior))  # d l / d pi_j = sum_i e_ij / (pi_max (e w)_i)
+    return sums
 
 
 NEWTON_AFTER = 100

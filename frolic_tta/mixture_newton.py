@@ -97,16 +97,22 @@ PIVOT_PASSES = 50
 (the 21k world's steps need 1 to 4)."""
 
 
-def _solve_on(hessian: Tensor, linear: Tensor, passive: Tensor, ridge: float) -> Tensor | None:
+def _solve_on(
+    hessian: Tensor, linear: Tensor, passive: Tensor, ridge: float, least_squares: bool = False
+) -> Tensor | None:
     """``y`` with ``y_P = (H_PP + ridge I)^{-1} b_P`` (Cholesky) on the classes ``passive``, 0
-    elsewhere; ``None`` where the block is numerically singular despite the ridge."""
+    elsewhere. Where the block is numerically singular despite the ridge: its least-squares
+    solution (``least_squares``), else ``None``."""
     index = passive.nonzero().squeeze(1)
     block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
     factor, info = torch.linalg.cholesky_ex(block)
-    if int(info) != 0:
-        return None
     y = torch.zeros_like(linear)
-    y[index] = torch.cholesky_solve(linear[index].unsqueeze(1), factor).squeeze(1)
+    if int(info) == 0:
+        y[index] = torch.cholesky_solve(linear[index].unsqueeze(1), factor).squeeze(1)
+    elif least_squares:
+        y[index] = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
+    else:
+        return None
     return y
 
 
@@ -165,13 +171,8 @@ def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) 
     if not bool(passive.any()):
         passive[int(linear.argmax())] = True
     for _ in range(3 * c + 100):
-        index = passive.nonzero().squeeze(1)
-        z = _solve_on(hessian, linear, passive, ridge)
-        if z is None:  # numerically singular despite the ridge: least squares
-            block = hessian[index.unsqueeze(1), index] + ridge * torch.eye(len(index)).to(hessian)
-            z = torch.zeros_like(y)
-            z[index] = torch.linalg.lstsq(block, linear[index].unsqueeze(1)).solution.squeeze(1)
-        solved = z[index]
+        z = _solve_on(hessian, linear, passive, ridge, True)  # (singular: least squares)
+        solved = z[passive]
         if bool((solved > 0).all()):
             y = z
             free = linear - hessian @ y  # minus the gradient of the quadratic
