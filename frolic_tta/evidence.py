@@ -47,8 +47,11 @@ weights are solved (from :math:`m_c`) only until that is certain:
 Frank-Wolfe gap (:func:`~frolic_tta.mixture.log_likelihood`), so the solve stops once
 :math:`\ell_M(\pi) + g(\pi) \le \ell_U - (K - 1)` (3 to 5 passes on M's components, held
 in the scratch buffer where there is one: two products in all, M's and the head's logits
-again). U's likelihood reads the head's logits from that buffer before (:func:`head_terms`)
-where the features span :math:`\mathbb R^d`, else it takes one product of its own.
+again). Where :math:`\ell_M(\pi)` passes that mark, U at :math:`\tilde\pi_U` has lost and U at
+its own maximum-likelihood weights (``refit``) is certain to be needed: it runs then, and
+:math:`\ell_U` is the larger of the two in the solve's stop test from there on. U's
+likelihood reads the head's logits from that buffer before (:func:`head_terms`) where the
+features span :math:`\mathbb R^d`, else it takes one product of its own.
 
 **The two densities** (:func:`mixture_model`) are built from each head's means and label
 masses, with the within-class covariance
@@ -258,28 +261,41 @@ def compare_mixtures(
     if scratch is not None:  # M's passes read the scratch buffer (one product, not one a pass)
         source_m = fill(scratch, source_m)
         passes += 1
+
+    def at_own_weights() -> float:  # U at its own ML weights (refit); M's higher ceiling
+        nonlocal ell_u, passes, refit
+        assert refit is not None  # (lift is given only with it)
+        means, refit_masses, weights, more = refit()
+        model, terms = mixture_model(means, refit_masses, sums, span)
+        source = model.source(features, chunk_size, exact)
+        ell_u = max(ell_u, log_likelihood(source, weights, reduce_fn)[0] + terms)
+        passes, refit = passes + more + 1, None
+        return ell_u - penalty - terms_m
+
     # M's weights from m_c only as far as they could matter: the solve stops once
     # l_M < l_U - (K - 1) is certain whatever the weights (its Frank-Wolfe gap; at m_c where
-    # one pass decides it, at ImageNet size after 4 passes, not 20)
-    ceiling = ell_u - penalty - terms_m
+    # one pass decides it, at ImageNet size after 4 passes, not 20). Once l_M passes that
+    # ceiling the refit is certain to be needed: it runs then, and its likelihood lifts the
+    # ceiling, so M's solve stops short of its tolerance where the refit wins
     raw, ratio, inner, converged = mixture_weights(
-        source_m, masses, tol=tol, reduce_fn=reduce_fn, ceiling=ceiling
+        source_m,
+        masses,
+        tol=tol,
+        reduce_fn=reduce_fn,
+        ceiling=ell_u - penalty - terms_m,
+        lift=None if refit is None else at_own_weights,
     )
     ell_m, left = log_likelihood(source_m, floored(raw, prior_floor), reduce_fn)
     ell_m += terms_m
     passes += inner + 1
     used = scratch is not None
-    if ell_u - ell_m > penalty:  # (always where the ceiling stopped the solve)
+    if ell_u - ell_m > penalty:  # (always where a ceiling stopped the solve)
         lower = ell_u - ell_m - max(left, 0.0)  # less what M's weights could still gain
         return BiasEvidence(
             True, lower, penalty, passes=passes, converged=converged, scratch_used=used
         )
-    if ell_u - ell_m <= penalty and refit is not None:  # U at its own ML weights
-        means, refit_masses, weights, more = refit()
-        model, terms = mixture_model(means, refit_masses, sums, span)
-        source = model.source(features, chunk_size, exact)
-        ell_u = max(ell_u, log_likelihood(source, weights, reduce_fn)[0] + terms)
-        passes += more + 1
+    if refit is not None:  # not lifted during M's solve
+        at_own_weights()
     if ell_u - ell_m > penalty:
         return BiasEvidence(
             True, ell_u - ell_m, penalty, passes=passes, converged=converged, scratch_used=used

@@ -13,6 +13,7 @@ Shapes: N samples, K classes, d embedding dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,7 @@ def mixture_weights(
     reduce_fn: ReduceFn | None = None,
     below: float | None = None,
     ceiling: float | None = None,
+    lift: Callable[[], float] | None = None,
     settle: bool = False,
 ) -> tuple[Tensor, float, int, bool]:
     r"""Maximum-likelihood mixture weights for fixed component log-likelihoods.
@@ -197,6 +199,11 @@ def mixture_weights(
             (:math:`\ell(\pi)` plus the Frank-Wolfe gap; as ``below``, on :math:`\ell` itself:
             :func:`~frolic_tta.evidence.compare_mixtures` stops there once the other model
             wins whatever the weights).
+        lift: called once, with no argument, where :math:`\ell(\pi)` passes ``ceiling`` in
+            EM's passes (the ceiling can no longer stop the solve): a higher ceiling, which
+            replaces it (:func:`~frolic_tta.evidence.compare_mixtures`: the other model at
+            its own weights, whose passes it would otherwise spend after this solve). The
+            path is unchanged: only where the solve stops.
         settle: the weights only seed the next refit of :mod:`frolic_tta.prior` (an
             intermediate round): where EM would hand over to block Newton steps (K >
             :data:`~frolic_tta.mixture_newton.MAX_COLUMNS`), stop once a cycle of EM passes
@@ -236,9 +243,22 @@ def mixture_weights(
     passes, converged = 0, False
     first, at_pi = step(pi)
     passes += 1
-    if ceiling is not None:  # l(1/K) is the same at every pass: a bound on Lambda
-        limit = 2.0 * (ceiling - float(at_pi.uniform_log_likelihood))
-        below = limit if below is None else min(below, limit)
+    given = below
+
+    def capped(top: float) -> float | None:  # l(1/K) is the same at every pass: a bound on
+        limit = 2.0 * (top - float(at_pi.uniform_log_likelihood))  # Lambda
+        return limit if given is None else min(given, limit)
+
+    if ceiling is not None:
+        below = capped(ceiling)
+
+    def lifted() -> bool:  # l(pi) is past the ceiling: the higher one, once
+        nonlocal below, lift
+        if lift is None or ceiling is None or not float(at_pi.log_likelihood) > ceiling:
+            return False
+        below, lift = capped(lift()), None
+        return True
+
     # where the passes are exact and the Newton phase's Hessian is cheap (N K^2 <=
     # EXACT_PRODUCTS), EM's step test hands over to Newton, which ends at the fixed point (one
     # step past its tolerance): EM converges linearly, so on a flat likelihood a step below
@@ -248,6 +268,7 @@ def mixture_weights(
     settle = settle and k > MAX_COLUMNS
     gain, enough = math.inf, SETTLE_SHARE * (k - 1) / 2.0  # gain: of the last cycle of EM
     while passes < max_passes:
+        lifted()
         if certain(at_pi, pi) or (settle and gain <= enough and not undecided(at_pi)):
             converged = True
             break
@@ -271,6 +292,8 @@ def mixture_weights(
             gain = float(at_candidate.log_likelihood - at_pi.log_likelihood)
         pi, first, at_pi = candidate, after, at_candidate
     likelihood, uniform = at_pi.log_likelihood, at_pi.uniform_log_likelihood
+    if not converged and passes < max_passes and lifted() and certain(at_pi, pi):
+        converged = True  # the higher ceiling stops it where EM handed over
     if not converged and passes < max_passes:  # EM crawls: Newton steps on the same problem
         pi, (likelihood, uniform), more, converged = newton_weights(
             source, pi, reduce_fn, max_passes=max_passes - passes, below=below, polish=polish

@@ -72,6 +72,11 @@ def test_the_weight_solve_stops_at_a_ceiling_only_where_the_maximum_is_below_it(
     # a ceiling the maximum exceeds cannot be certified: the same solve to the end
     same, _, passes, _ = mixture_weights(source, start, tol=1e-12, ceiling=top - 1e-3)
     assert passes == full and torch.equal(same, best)
+    # there, a lift is asked for once l(pi) passes the ceiling, and its higher one stops it
+    asked = []
+    lift = lambda: asked.append(1) or top + 1.0  # noqa: E731
+    _, _, passes, certain = mixture_weights(source, start, tol=1e-12, ceiling=top - 1e-3, lift=lift)
+    assert asked == [1] and certain and passes < full
 
 
 def test_a_constant_coordinate_does_not_enter_the_comparison():
@@ -178,3 +183,33 @@ def test_the_buffered_decisions_equal_the_streamed_ones():
     assert buffered.head.zero_shot_weight == streamed.head.zero_shot_weight == 0.0
     scores = streamed.head.score(world.features)
     assert torch.equal(scores.argmax(1), buffered.logits.argmax(1))
+
+
+def test_the_refit_that_wins_stops_the_raw_readings_solve(monkeypatch):
+    # K = 50, d = 16, N = 200 (zero-shot 0.105): U at its shrunk weights loses to M's mixture,
+    # U refitted at its own ML weights wins. The refit now runs once l_M passes U's mark, and
+    # lifts the ceiling that stops M's solve; before, M's weights ran to their tolerance first
+    world = clip_like_world(200, 50, 16, noise=0.5, seed=1)
+    lifted = frolic_tta.fit_frolic(world.features, world.prototypes)
+    index = [torch.arange(200)[i::2] for i in range(2)]
+    fits = run_sharded(
+        lambda rows, reduce: frolic_tta.fit_frolic(
+            world.features[rows], world.prototypes, reduce_fn=reduce
+        ),
+        index,
+    )
+    for rows, part in zip(index, fits, strict=True):  # the same stop and decision everywhere
+        assert part.priors.passes == lifted.priors.passes
+        assert part.priors.label_bias_evidence > 0.0
+        assert torch.equal(part.logits.argmax(1), lifted.logits[rows].argmax(1))
+    solve = frolic_tta.evidence.mixture_weights  # the refit after M's solve, as before
+    monkeypatch.setattr(
+        frolic_tta.evidence, "mixture_weights", lambda *a, lift=None, **k: solve(*a, **k)
+    )
+    full = frolic_tta.fit_frolic(world.features, world.prototypes)
+    # the same decision and fit: only where M's solve stops (measured 50 passes against 139)
+    assert torch.equal(lifted.logits, full.logits)
+    assert torch.equal(lifted.priors.test_prior, full.priors.test_prior)
+    assert lifted.priors.passes < full.priors.passes - 50
+    # the evidence is then a lower bound (what M's weights could still gain left out)
+    assert 0.0 < lifted.priors.label_bias_evidence < full.priors.label_bias_evidence
