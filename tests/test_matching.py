@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import frolic_tta.matching
 from frolic_tta.logits import TensorLogits
 from frolic_tta.matching import match_class_masses
 from frolic_tta.pipeline import fit_frolic
@@ -157,3 +158,28 @@ def test_a_fit_where_zero_shot_is_right_almost_everywhere_takes_few_passes():
     with pytest.warns(UserWarning, match="do not determine"):
         fit_frolic(world.features, world.prototypes, tau_c=0.01, reduce_fn=reduce_fn)
     assert len(calls) <= 60  # measured: 36 (before: 334, every matching at its cap)
+
+
+def test_many_classes_without_the_full_hessian_reach_1e_6(monkeypatch):
+    # K = 5,000 > 4,096: diagonal steps only. Zero-shot 0.017, 3,932 classes undetermined:
+    # steps of up to 10 in b overshoot and are halved every other pass (100 passes, the cap,
+    # not converged); up to 3 (_DIAGONAL_STEP): 21 passes, on 1 and 2 shards alike
+    world = clip_like_world(6_000, 5_000, 64, seed=0, sample=True)
+    logits = world.features @ world.prototypes.T / 0.01
+    whole = match_class_masses(TensorLogits(logits, None), eps=1e-6, max_iter=100)
+    assert whole.converged and whole.evaluations <= 30 and whole.mass_error < 1e-6
+    debiased = torch.softmax(logits.double() + whole.log_offset, 1).mean(0)
+    assert float((debiased - 1 / 5_000).abs().sum()) < 1e-6  # the class masses are uniform
+    index = [torch.arange(6_000)[i::2] for i in range(2)]
+    parts = run_sharded(
+        lambda rows, reduce: match_class_masses(
+            TensorLogits(logits[rows], None), eps=1e-6, max_iter=100, reduce_fn=reduce
+        ),
+        index,
+    )
+    for part in parts:  # the fixed point's beta-hat, to the tolerance (1e-6 in L1)
+        assert part.evaluations == whole.evaluations
+        assert float((part.beta - whole.beta).abs().sum()) < 1e-5
+    monkeypatch.setattr(frolic_tta.matching, "_DIAGONAL_STEP", 10.0)
+    longer = match_class_masses(TensorLogits(logits, None), eps=1e-6, max_iter=100)
+    assert not longer.converged
