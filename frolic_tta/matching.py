@@ -67,13 +67,13 @@ _ROUNDING = 8 * torch.finfo(torch.float32).eps
 """Relative change of :math:`J` below which its float32 sums cannot tell a decrease (the logits'
 per-row log-partitions carry float32 rounding); there the projected gradient decides a step."""
 
-_FULL_HESSIAN_MAX_CLASSES = 4096
+FULL_HESSIAN_MAX_CLASSES = 4096
 """Above this K the matching keeps its diagonal steps (a K x K float64 Hessian would hold
 more than 128 MiB and its factorisation take seconds per step)."""
 
 _DIAGONAL_STEP = 3.0
 r"""Largest :math:`|\Delta b_j|` of a diagonal step where no full-Hessian step follows (K above
-:data:`_FULL_HESSIAN_MAX_CLASSES`; 10 below). Longer steps overshoot where many classes are
+:data:`FULL_HESSIAN_MAX_CLASSES`; 10 below). Longer steps overshoot where many classes are
 nearly undetermined, and are halved every other pass: on issue 35 item 2's 21k world, N =
 30,000 (the zero-shot logits at 4 sharpnesses, cold and warm) 10/7, 7/3, 10/6 and 14/9 passes
 with 3 against 12/9, 10/3, 13/7 and 19/14 with 10 (5: up to 23/12; 2: up to 16/10)."""
@@ -283,7 +283,7 @@ def match_class_masses(
     box = math.log(k / prior_floor) / 2 if bound is None else float(bound)
 
     exp = None if spare is None or max_iter < 3 else exponentials(source, spare)
-    reach = _DIAGONAL_STEP if k > _FULL_HESSIAN_MAX_CLASSES else 10.0
+    reach = _DIAGONAL_STEP if k > FULL_HESSIAN_MAX_CLASSES else 10.0
 
     def evaluate(b: Tensor, outer: bool) -> tuple[float, Tensor, _MassSums]:
         sums = _sums(source, log_target - b, outer, exp).reduce(reduce_fn)
@@ -385,7 +385,7 @@ def match_class_masses(
             hessian, refresh = sums, False
         if not halved and hessian is not None:
             refresh = True  # the Hessian in use is stale: sum it again at the next point
-        elif slow_steps >= 2 and k <= _FULL_HESSIAN_MAX_CLASSES and evaluations < max_iter:
+        elif slow_steps >= 2 and k <= FULL_HESSIAN_MAX_CLASSES and evaluations < max_iter:
             # classes coupled through shared samples (hard posteriors): the diagonal steps
             # converge linearly there; Newton steps on the full K x K Hessian from here on
             objective, gradient, sums = evaluate(b, True)

@@ -306,3 +306,32 @@ def test_settled_intermediate_rounds_keep_the_estimate_in_fewer_passes(world, mo
     fits = run_sharded(lambda shard, reduce_fn: quiet_fit(shard, z, reduce_fn=reduce_fn), shards)
     agree(settled.logits, torch.cat([f.logits for f in fits]))
     assert fits[0].priors.passes == settled.priors.passes
+
+
+def test_above_the_full_hessian_the_balanced_matching_starts_from_the_zero_shot_masses(
+    monkeypatch,
+):
+    # K = 5,000 > 4,096 (diagonal steps only), zero-shot 0.017: from m_c, the zero-shot class
+    # masses (the moment sums', no pass), the same fixed point in fewer passes than from uniform
+    world = clip_like_world(6_000, 5_000, 64, seed=0, sample=True)
+    logits = world.features @ world.prototypes.T / 0.01
+    masses = torch.softmax(logits.double(), 1).mean(0)
+    source = TensorLogits(logits, None)
+    cold = frolic_tta.matching.match_class_masses(source, eps=1e-6)
+    warm = frolic_tta.matching.match_class_masses(source, eps=1e-6, init=masses)
+    assert cold.converged and warm.converged
+    assert warm.evaluations < cold.evaluations  # measured: 16 against 21
+    assert float((warm.beta - cold.beta).abs().sum()) < 1e-5  # 1e-6 in the masses
+    # the pipeline passes m_c there (the threshold lowered below this world's K = 50)
+    monkeypatch.setattr(frolic_tta.prior, "FULL_HESSIAN_MAX_CLASSES", 16)
+    small = clip_like_world(500, 50, 16, seed=0)
+    starts = []
+    match = frolic_tta.prior.match_class_masses
+    monkeypatch.setattr(
+        frolic_tta.prior,
+        "match_class_masses",
+        lambda *a, init=None, **k: starts.append(init) or match(*a, init=init, **k),
+    )
+    fit = frolic_tta.fit_frolic(small.features, small.prototypes)
+    expected = fit.sums.soft_count / fit.sums.count
+    assert torch.allclose(starts[0], expected / expected.sum(), rtol=0, atol=1e-15)
