@@ -72,11 +72,10 @@ FULL_HESSIAN_MAX_CLASSES = 4096
 more than 128 MiB and its factorisation take seconds per step)."""
 
 _DIAGONAL_STEP = 3.0
-r"""Largest :math:`|\Delta b_j|` of a diagonal step where no full-Hessian step follows (K above
-:data:`FULL_HESSIAN_MAX_CLASSES`; 10 below). Longer steps overshoot where many classes are
-nearly undetermined, and are halved every other pass: on issue 35 item 2's 21k world, N =
-30,000 (the zero-shot logits at 4 sharpnesses, cold and warm) 10/7, 7/3, 10/6 and 14/9 passes
-with 3 against 12/9, 10/3, 13/7 and 19/14 with 10 (5: up to 23/12; 2: up to 16/10)."""
+r"""Largest :math:`|\Delta b_j|` of a diagonal step above :data:`FULL_HESSIAN_MAX_CLASSES` (10
+below): longer ones overshoot where many classes are nearly undetermined and are halved every
+other pass (issue 35 item 2's 21k world, N = 30,000, zero-shot logits at 4 sharpnesses, cold:
+10, 7, 10, 14 passes with 3 against 12, 10, 13, 19 with 10; 5: up to 23, 2: up to 16)."""
 
 _FLAT = 1e-3
 """Classes whose bias moves less than this much of one sample's mass (:math:`N h_j`) are flat:
@@ -355,13 +354,8 @@ def match_class_masses(
             continue
         halved = trial_norm <= 0.5 * norm
         slow_steps = slow_steps + 1 if not halved and step_size == 1.0 else 0
-        b, objective, gradient, sums, norm = (
-            trial,
-            trial_objective,
-            trial_gradient,
-            trial_sums,
-            trial_norm,
-        )
+        b, objective, gradient, sums = trial, trial_objective, trial_gradient, trial_sums
+        norm = trial_norm
         step_size, direction = min(1.0, 2.0 * step_size), None
         new = torch.softmax(b, 0)
         change = float((new - beta).abs().sum())
