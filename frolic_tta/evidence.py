@@ -42,16 +42,16 @@ Otherwise the data give no evidence of a bias and :math:`\tilde\pi_M` is the tes
 zero-shot posterior's labels then weight the head, and :math:`\hat\beta_c` matches
 :math:`f_c` to :math:`\tilde\pi_M` only). With a planted text bias the gap is hundreds to
 tens of thousands of nats (``benchmarks/no_harm.py``, ``benchmarks/label_shift.py``), and M's
-weights are solved (from :math:`m_c`) only until that is certain:
-:math:`\ell_M(\hat\pi_M) \le \ell_M(\pi) + g(\pi)` at any :math:`\pi`, with :math:`g` the
-Frank-Wolfe gap (:func:`~frolic_tta.mixture.log_likelihood`), so the solve stops once
-:math:`\ell_M(\pi) + g(\pi) \le \ell_U - (K - 1)` (3 to 5 passes on M's components, held
-in the scratch buffer where there is one: two products in all, M's and the head's logits
-again). Where :math:`\ell_M(\pi)` passes that mark, U at :math:`\tilde\pi_U` has lost and U at
-its own maximum-likelihood weights (``refit``) is certain to be needed: it runs then, and
-:math:`\ell_U` is the larger of the two in the solve's stop test from there on. U's
-likelihood reads the head's logits from that buffer before (:func:`head_terms`) where the
-features span :math:`\mathbb R^d`, else it takes one product of its own.
+weights are solved (from :math:`m_c`) only until that is certain: :math:`\ell_M(\hat\pi_M)
+\le \ell_M(\pi) + g(\pi)` at any :math:`\pi` (:func:`~frolic_tta.mixture_newton.headroom`
+:math:`g`), so the solve stops once :math:`\ell_M(\pi) + g(\pi) \le \ell_U - (K - 1)`. Its
+first two passes (:math:`m_c`, one EM step on: at ImageNet size they decide) are products by
+chunks; only then are M's components put into the scratch buffer where there is one, and the
+head's logits back after the solve. Where :math:`\ell_M(\pi)` passes that mark, U at
+:math:`\tilde\pi_U` has lost and U at its own maximum-likelihood weights (``refit``) is
+certain to be needed: it runs then, and :math:`\ell_U` is the larger of the two in the solve's
+stop test from there on. U's likelihood reads the head's logits from that buffer before
+(:func:`head_terms`) where the features span :math:`\mathbb R^d`, else takes a product.
 
 **The two densities** (:func:`mixture_model`) are built from each head's means and label
 masses, with the within-class covariance
@@ -88,7 +88,7 @@ from frolic_tta.gda import (
 )
 from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
 from frolic_tta.matching import floored, match_class_masses
-from frolic_tta.mixture import log_likelihood, mixture_weights
+from frolic_tta.mixture import em_step, log_likelihood, mixture_weights
 from frolic_tta.options import FrolicOptions
 from frolic_tta.prior import TestPriorEstimate
 from frolic_tta.shrinkage import oas_shrinkage, shrink
@@ -102,7 +102,7 @@ class BiasEvidence:
     Attributes:
         corrected: the corrected mixture (U) is chosen: the label bias is removed.
         gap: :math:`\ell_U - \ell_M` in nats (a lower bound where M's weights were not
-            solved to the end: less their Frank-Wolfe gap).
+            solved to the end: less their headroom).
         penalty: :math:`K - 1`, the label bias's free parameters.
         prior: ``(K,)`` :math:`\tilde\pi_M` where the uncorrected model is chosen, else ``None``.
         raw: ``(K,)`` :math:`\hat\pi_M` (idem).
@@ -259,6 +259,12 @@ def compare_mixtures(
     source_m = model_m.source(features, chunk_size, exact)
     passes = 1
     if scratch is not None:  # M's passes read the scratch buffer (one product, not one a pass)
+        pi = masses  # once two by chunks have not settled it (module docstring)
+        for _ in range(2):
+            ell_m, left, pi = em_step(source_m, pi, reduce_fn)
+            passes += 1
+            if ell_u - (ell_m + terms_m + left) > penalty:  # less what M could still gain
+                return BiasEvidence(True, ell_u - ell_m - terms_m - left, penalty, passes=passes)
         source_m = fill(scratch, source_m)
         passes += 1
 
@@ -273,8 +279,7 @@ def compare_mixtures(
         return ell_u - penalty - terms_m
 
     # M's weights from m_c only as far as they could matter: the solve stops once
-    # l_M < l_U - (K - 1) is certain whatever the weights (its Frank-Wolfe gap; at m_c where
-    # one pass decides it, at ImageNet size after 4 passes, not 20). Once l_M passes that
+    # l_M < l_U - (K - 1) is certain whatever the weights (its headroom). Once l_M passes that
     # ceiling the refit is certain to be needed: it runs then, and its likelihood lifts the
     # ceiling, so M's solve stops short of its tolerance where the refit wins
     raw, ratio, inner, converged = mixture_weights(

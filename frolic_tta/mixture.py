@@ -27,7 +27,7 @@ from frolic_tta.logits import (
     identity_reduce,
     workspace,
 )
-from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, newton_weights
+from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, headroom, newton_weights
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,13 @@ class _MixtureSums:
         return cls(packed[0], packed[1], packed[2], packed[3 : 3 + k], packed[3 + k :])
 
     def optimality_gap(self) -> float:
-        r""":math:`\max_j \partial_j\ell / N - 1`, 0 at the maximiser: times N, it bounds what
-        is left, :math:`\ell(\hat\pi) - \ell(\pi)` (the Frank-Wolfe gap)."""
+        r""":math:`\max_j \partial_j\ell / N - 1`, 0 at the maximiser (times N: the
+        Frank-Wolfe gap)."""
         return float(self.gradient.max() / self.count) - 1.0
+
+    def headroom(self) -> float:
+        """:func:`headroom` of this pass: what the weights can still gain."""
+        return headroom(float(self.count), self.optimality_gap())
 
 
 def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
@@ -189,14 +193,14 @@ def mixture_weights(
             ``g`` a step's rounding is ~1e-9: keep ``tol`` >= 1e-8).
         max_passes: cap on passes (each one reduction).
         reduce_fn: sums a tensor over shards.
-        below: stop as soon as :math:`\Lambda \le` ``below`` is certain: :math:`\ell` is
-            concave, so at any :math:`\pi` its Frank-Wolfe gap bounds what is left,
-            :math:`\ell(\hat\pi) - \ell(\pi) \le \max_j \partial_j\ell - \pi^\top\nabla\ell
-            = \max_j \frac{\sum_i r_{ij}}{\pi_j} - N` (:math:`r` the responsibilities); the
-            weights and :math:`\Lambda` returned are then those of that :math:`\pi` (a lower
-            bound), and ``converged`` is true: the decision they feed is exact.
+        below: stop as soon as :math:`\Lambda \le` ``below`` is certain: at any :math:`\pi`,
+            :func:`headroom` bounds what is left, :math:`\ell(\hat\pi) - \ell(\pi) \le
+            N \ln(\max_j \partial_j\ell / N)`, :math:`\partial_j\ell = \sum_i r_{ij}/\pi_j`
+            (:math:`r` the responsibilities); the weights and :math:`\Lambda` returned are
+            then those of that :math:`\pi` (a lower bound), and ``converged`` is true: the
+            decision they feed is exact.
         ceiling: stop as soon as :math:`\ell(\hat\pi) \le` ``ceiling`` is certain
-            (:math:`\ell(\pi)` plus the Frank-Wolfe gap; as ``below``, on :math:`\ell` itself:
+            (:math:`\ell(\pi)` plus :func:`headroom`; as ``below``, on :math:`\ell` itself:
             :func:`~frolic_tta.evidence.compare_mixtures` stops there once the other model
             wins whatever the weights).
         lift: called once, with no argument, where :math:`\ell(\pi)` passes ``ceiling`` in
@@ -234,7 +238,7 @@ def mixture_weights(
     def certain(at: _MixtureSums, prior: Tensor) -> bool:
         if below is None:
             return False
-        return lam(at, float(at.gradient.max() - at.count)) <= below
+        return lam(at, at.headroom()) <= below
 
     def undecided(at: _MixtureSums) -> bool:  # Lambda <= below is still possible
         return below is not None and lam(at) <= below
@@ -279,6 +283,9 @@ def mixture_weights(
             break
         second, at_first = step(first)
         passes += 1
+        if certain(at_first, first):  # settled one EM step on: not the jump's pass
+            pi, at_pi, converged = first, at_first, True
+            break
         candidate = _squarem_jump(pi, first, second, tiny)
         after, at_candidate = step(candidate)
         passes += 1
@@ -305,14 +312,22 @@ def mixture_weights(
 
 def log_likelihood(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float]:
     r"""One pass: :math:`\ell(\pi) = \sum_i \ln\sum_j \pi_j e^{g_{ij}}` over all shards, and
-    its Frank-Wolfe gap :math:`\max_j \partial_j\ell - N \ge \max_{\pi'}\ell(\pi') - \ell(\pi)`
-    (concavity; 0 at the maximiser), both reduced.
+    its :func:`headroom` :math:`\ge \max_{\pi'}\ell(\pi') - \ell(\pi)` (0 at the maximiser),
+    both reduced.
 
     Args:
         source: ``(N_local, K)`` component log-likelihoods :math:`g` of the local shard.
         prior: ``(K,)`` the weights :math:`\pi` (positive).
         reduce_fn: sums a tensor over shards.
     """
+    ell, room, _ = em_step(source, prior, reduce_fn)
+    return ell, room
+
+
+def em_step(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float, Tensor]:
+    r""":func:`log_likelihood`'s pass, with the EM step it gives: ``(l(pi), headroom, pi')``,
+    :math:`\pi' = \frac1N\sum_i r_i` ``(K,)`` (the step of :func:`mixture_weights`)."""
     local = _mixture_sums(source, prior.double().clamp(min=torch.finfo(torch.float64).tiny).log())
     sums = _MixtureSums.unpack(reduce_fn(local.pack()))
-    return float(sums.log_likelihood), float(sums.gradient.max() - sums.count)
+    step = sums.responsibility / sums.count
+    return float(sums.log_likelihood), sums.headroom(), step / step.sum()

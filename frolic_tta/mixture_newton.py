@@ -17,8 +17,8 @@ quadratic model :math:`\tfrac12 p^\top H p + \nabla F^\top p` with
 over :math:`x + p \ge 0` (an active-set method on the classes in the support or whose
 gradient asks to enter), then backtracks on :math:`F`. Its stop is the optimality condition
 itself (Kiefer-Wolfowitz): at :math:`\pi = x/\sum x`, :math:`\max_j \partial_j \ell / N - 1
-\le` ``target``, which bounds what is left, :math:`\ell(\hat\pi) - \ell(\pi) \le N \cdot`
-``target`` (the Frank-Wolfe gap). Every pass is one ``reduce_fn`` call of
+\le` ``target``, which bounds what is left, :math:`\ell(\hat\pi) - \ell(\pi) \le N
+\ln(1 +` ``target``:math:`)` (:func:`headroom`). Every pass is one ``reduce_fn`` call of
 ``[N, sums, gradient, Hessian]``; every decision is taken on reduced values.
 
 Shapes: N samples, K classes, C classes in the Hessian.
@@ -194,6 +194,17 @@ def _nonnegative_qp(hessian: Tensor, linear: Tensor, start: Tensor, tol: float) 
     return y
 
 
+def headroom(count: float, gap: float) -> float:
+    r"""A bound on what the weights can still gain, :math:`\ell(\hat\pi) - \ell(\pi) \le
+    N \ln(\max_j \partial_j\ell(\pi) / N)` (``gap`` :math:`= \max_j \partial_j\ell/N - 1`,
+    ``count`` N; Cover 1984): with :math:`r_{ij}` the responsibilities at :math:`\pi`,
+    :math:`\ell(\pi') - \ell(\pi) = \sum_i \ln\sum_j (\pi'_j/\pi_j) r_{ij} \le
+    N \ln \frac1N \sum_j \pi'_j \partial_j\ell` (Jensen), at most the Frank-Wolfe gap
+    :math:`N\,` ``gap`` and far below it where ``gap`` is large (hard posteriors at ImageNet
+    size: 76,000 against 178,000 nats at the class masses :math:`m_c`)."""
+    return count * math.log1p(max(gap, 0.0))
+
+
 def _block(x: Tensor, ratio: Tensor, taken: Tensor | None = None) -> Tensor:
     """The :data:`BLOCK_COLUMNS` classes farthest from the optimality condition (sorted),
     those ``taken`` (the block of the step under way) left out."""
@@ -258,7 +269,7 @@ def newton_weights(
         passes += 1
     polishing = False
     while passes < max_passes:
-        gap = float(n) * max(kkt, 0.0)
+        gap = headroom(float(n), kkt)
         if below is not None and 2.0 * float(likelihood - uniform + gap) <= below:
             converged = True
             break
