@@ -8,7 +8,9 @@ refitted under its debiased labels is more likely than the pooled one's by more 
 :math:`Kr/2` nats (:mod:`frolic_tta.fusion`). For every world this prints:
 
 * ``gap``: the in-sample :math:`\ell(\text{head alone}) - \ell(\text{pooled})` the rule reads
-  (the fit's ``fusion_gap`` plus :math:`Kr/2`), beside the threshold :math:`Kr/2`, and
+  (the fit's ``fusion_gap`` plus :math:`Kr/2`; since 2026-11-27 22:30 UTC an upper bound where
+  the pooled fusion's evidence lower bound decided, :mod:`frolic_tta.fusion`), beside the
+  threshold :math:`Kr/2`, and
   ``here``, the same recomputed by this script in float64 (a check of its own math: the
   candidates' matchings are this script's, so it agrees to their tolerance, not exactly);
 * ``held-out``: the same difference with each half of the samples scored by the mixtures

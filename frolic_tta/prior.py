@@ -331,7 +331,8 @@ class Priors:
             zero-shot label bias (:mod:`frolic_tta.evidence`; > 0: removed), ``nan`` where
             ``bias_test="off"``, ``None`` where not estimated (other options).
         fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0:
-            :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`), ``None`` where not compared.
+            :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`; an upper bound where the pooled
+            fusion's evidence lower bound decided), ``None`` where not compared.
     """
 
     test_prior: Tensor

@@ -42,17 +42,21 @@ def posterior_sums(
     features: Tensor,
     exp: Exponentials | None = None,
     total: Tensor | float | None = None,
+    entropy: bool = False,
 ) -> Tensor:
     r"""Packed ``[sum_i q_i (K,), sum_i q_i x_i^T (K*d,)]`` of the local shard (float64) for the
     debiased posterior :math:`q_i = \mathrm{softmax}(f(x_i) + \text{offset})` of the logits
     ``source`` (reduce it, then :func:`refitted_sums`); ``exp``: the logits'
     :class:`~frolic_tta.matching.Exponentials`, if at hand (no exponential then); ``total``:
     N over all shards, which decides float64 products (:data:`EXACT_SOFT_SUMS`; ``None``:
-    float32 products of float32 logits)."""
+    float32 products of float32 logits); ``entropy``: followed by
+    :math:`\sum_i H(q_i) = -\sum_{ij} q_{ij}\ln q_{ij}` (one element; take it off before
+    :func:`refitted_sums`)."""
     k, d = source.num_classes, features.shape[1]
     exact = total is not None and exact_arithmetic(total, k, d)
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
+    spread = torch.zeros(1, dtype=torch.float64, device=features.device)
     start = 0
     for posterior, _ in unnormalised(source, log_offset, exp):
         posterior.div_(posterior.sum(dim=1, keepdim=True))
@@ -60,8 +64,10 @@ def posterior_sums(
         q, block = posterior.to(dtype), features[start : start + posterior.shape[0]].to(dtype)
         count += q.sum(0).double()
         weighted += (q.t() @ block).double()
+        if entropy:
+            spread += torch.special.entr(posterior).sum(dtype=torch.float64)
         start += posterior.shape[0]
-    return torch.cat([count, weighted.flatten()]).cpu()
+    return torch.cat([count, weighted.flatten()] + ([spread] if entropy else [])).cpu()
 
 
 def refitted_sums(sums: MomentSums, packed: Tensor) -> MomentSums:
