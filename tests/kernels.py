@@ -43,6 +43,7 @@ NUMERIC = (
     "tests/test_evidence.py",
     "tests/test_no_harm.py",
     "tests/test_block_newton.py",
+    "tests/test_early_certificates.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""
