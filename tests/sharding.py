@@ -86,3 +86,19 @@ def outcomes_sharded(
     for thread in threads:
         thread.join()
     return results
+
+
+def fit_interleaved(world: Any, shards: int, **options: Any) -> tuple[list[torch.Tensor], list]:
+    """``frolic_tta.fit_frolic`` of ``world`` on ``shards`` interleaved row sets (rows
+    ``i::shards``) in lockstep: ``(index, fits)``."""
+    import frolic_tta
+
+    n = world.features.shape[0]
+    index = [torch.arange(n)[i::shards] for i in range(shards)]
+    fits = run_sharded(
+        lambda rows, reduce: frolic_tta.fit_frolic(
+            world.features[rows], world.prototypes, reduce_fn=reduce, **options
+        ),
+        index,
+    )
+    return index, fits

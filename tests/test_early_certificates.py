@@ -19,7 +19,7 @@ from frolic_tta.logits import TensorLogits, identity_reduce
 from frolic_tta.mixture import _mixture_sums, log_likelihood, mixture_weights
 from frolic_tta.pipeline import shard_moment_sums
 from frolic_tta.synthetic import clip_like_world, means_world
-from tests.sharding import run_sharded
+from tests.sharding import fit_interleaved
 
 
 def quiet_fit(world):
@@ -59,15 +59,9 @@ def test_a_bias_settled_by_chunks_leaves_the_head_in_its_buffer(monkeypatch):
     monkeypatch.setattr(evidence, "fill", lambda *a: filled.append(1) or original(*a))
     early = quiet_fit(world)
     assert filled == [] and early.priors.label_bias_evidence > 0.0
-    index = [torch.arange(2000)[i::2] for i in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        parts = run_sharded(
-            lambda rows, reduce: frolic_tta.fit_frolic(
-                world.features[rows], world.prototypes, reduce_fn=reduce
-            ),
-            index,
-        )
+        index, parts = fit_interleaved(world, 2)
     for rows, part in zip(index, parts, strict=True):  # the same stop on every shard
         assert part.priors.passes == early.priors.passes
         assert part.priors.fusion_gap == pytest.approx(early.priors.fusion_gap, rel=1e-6)

@@ -17,7 +17,7 @@ from frolic_tta.logits import identity_reduce
 from frolic_tta.mixture import log_likelihood, mixture_weights
 from frolic_tta.pipeline import shard_moment_sums
 from frolic_tta.synthetic import clip_like_world, clip_world, means_world, shifted_prior
-from tests.sharding import run_sharded
+from tests.sharding import fit_interleaved
 
 
 def fit(world, **options):
@@ -130,13 +130,7 @@ def test_every_shard_takes_the_same_decision():
     prior = shifted_prior("long-tailed:10", 10, 0)
     world = means_world(900, 10, 16, noise=1.0, test_prior=prior)
     whole = frolic_tta.fit_frolic(world.features, world.prototypes, bias_test="aic")
-    index = [torch.arange(900)[i::3] for i in range(3)]
-    fits = run_sharded(
-        lambda rows, reduce: frolic_tta.fit_frolic(
-            world.features[rows], world.prototypes, reduce_fn=reduce, bias_test="aic"
-        ),
-        index,
-    )
+    _, fits = fit_interleaved(world, 3, bias_test="aic")
     for part in fits:
         evidence = part.priors.label_bias_evidence
         assert evidence == pytest.approx(whole.priors.label_bias_evidence, rel=1e-9, abs=1e-6)
@@ -191,13 +185,7 @@ def test_the_refit_that_wins_stops_the_raw_readings_solve(monkeypatch):
     # lifts the ceiling that stops M's solve; before, M's weights ran to their tolerance first
     world = clip_like_world(200, 50, 16, noise=0.5, seed=1)
     lifted = frolic_tta.fit_frolic(world.features, world.prototypes)
-    index = [torch.arange(200)[i::2] for i in range(2)]
-    fits = run_sharded(
-        lambda rows, reduce: frolic_tta.fit_frolic(
-            world.features[rows], world.prototypes, reduce_fn=reduce
-        ),
-        index,
-    )
+    index, fits = fit_interleaved(world, 2)
     for rows, part in zip(index, fits, strict=True):  # the same stop and decision everywhere
         assert part.priors.passes == lifted.priors.passes
         assert part.priors.label_bias_evidence > 0.0
