@@ -227,10 +227,7 @@ def mixture_weights(
     pi = torch.full((k,), 1.0 / k, dtype=torch.float64) if init is None else init.double()
 
     def step(prior: Tensor) -> tuple[Tensor, _MixtureSums]:
-        local = _mixture_sums(source, prior.clamp(min=tiny).log())
-        sums = _MixtureSums.unpack(reduce_fn(local.pack()))
-        new = sums.responsibility / sums.count
-        return new / new.sum(), sums
+        return _em_pass(source, prior, reduce_fn)
 
     def lam(at: _MixtureSums, gap: float = 0.0) -> float:  # Lambda at pi (+ gap: a bound)
         return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap)
@@ -327,7 +324,15 @@ def log_likelihood(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> t
 def em_step(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float, Tensor]:
     r""":func:`log_likelihood`'s pass, with the EM step it gives: ``(l(pi), headroom, pi')``,
     :math:`\pi' = \frac1N\sum_i r_i` ``(K,)`` (the step of :func:`mixture_weights`)."""
+    step, sums = _em_pass(source, prior, reduce_fn)
+    return float(sums.log_likelihood), sums.headroom(), step
+
+
+def _em_pass(
+    source: LogitSource, prior: Tensor, reduce_fn: ReduceFn
+) -> tuple[Tensor, _MixtureSums]:
+    """One reduced pass at ``prior`` ``(K,)``: the EM step from it and the pass's sums."""
     local = _mixture_sums(source, prior.double().clamp(min=torch.finfo(torch.float64).tiny).log())
     sums = _MixtureSums.unpack(reduce_fn(local.pack()))
-    step = sums.responsibility / sums.count
-    return float(sums.log_likelihood), sums.headroom(), step / step.sum()
+    new = sums.responsibility / sums.count
+    return new / new.sum(), sums
