@@ -73,7 +73,7 @@ def test_classes_outside_the_block_take_ems_step_in_the_same_pass(monkeypatch):
     block steps that held the others took 60 (on the 21k world on an H200: 7 + 15 passes for
     the test prior's two block solves instead of 16 + 23). On 2 uneven shards it reaches the
     same gap; a block solve stops at that gap, not at the fixed point, so the two are only
-    certain to be within its headroom of the maximum, :math:`N\ln(1 + 10^{-5})` nats each
+    certain to be within its headroom of the maximum, N ln(1 + 1e-5) nats each
     (under AVX2 kernels their weights differ by 1.9e-7)."""
     monkeypatch.setattr(mixture, "MAX_COLUMNS", 64)
     monkeypatch.setattr(mixture_newton, "MAX_COLUMNS", 64)
