@@ -13,7 +13,7 @@
 #                                    21k cases, precision, soft sums, overhead: about 7 minutes
 #                                    more on an H100, 2026-11-26; the full 21k case about 35 s;
 #                                    trace_21k: issue 35 item 2's 21k world, N = 200,000, printed
-#                                    as it goes: 31 s on an H200, 2026-11-27; trace_21k_kept:
+#                                    as it goes: 24 s on an H200, 2026-11-27; trace_21k_kept:
 #                                    the same with the N x K logits held, and
 #                                    trace_21k_balanced: finalize.py's 21k world, are not in "all")
 #   bash benchmarks/cuda.sh STEP...  the named steps (the names below)

@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/trace_21k.py --device cuda`` (issue 35, item 2's world: N = 200,000,
 K = 21,841, d = 512, ~9 samples per class drawn from a uniform prior, zero-shot ~0.35, chunks of
-4,096 rows; on an H200, 2026-11-27: 31 s). ``--balanced`` runs ``finalize.py``'s own 21k world
+4,096 rows; on an H200, 2026-11-27: 24 s). ``--balanced`` runs ``finalize.py``'s own 21k world
 (labels ``i % K``, zero-shot ~0.29) instead; ``--n`` sets N (the CPU needs about 9 s a pass at
 N = 30,000); ``--keep-logits`` holds the N x K logits (``fit_frolic``'s default: 17.5 GB at
 N = 200,000) instead of recomputing them every pass.
