@@ -19,11 +19,12 @@ from tests.sharding import run_sharded
 from tests.worlds import uneven_bounds
 
 
-def crowded_classes(n: int = 2000, k: int = 200, d: int = 8) -> torch.Tensor:
-    """``(n, k)`` float32 log-likelihoods of overlapping classes (d = 8): a flat likelihood."""
+def crowded_classes(n: int = 2000, k: int = 200, d: int = 8, noise: float = 0.3) -> torch.Tensor:
+    """``(n, k)`` float32 log-likelihoods of overlapping classes (by default d = 8: a flat
+    likelihood)."""
     gen = torch.Generator().manual_seed(0)
     z = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=1)
-    x = z[torch.randint(k, (n,), generator=gen)] + 0.3 * torch.randn(n, d, generator=gen)
+    x = z[torch.randint(k, (n,), generator=gen)] + noise * torch.randn(n, d, generator=gen)
     return (6.0 * x @ z.T).float()
 
 
@@ -57,15 +58,6 @@ def test_block_newton_reaches_the_optimality_gap_above_max_columns_on_any_shards
     assert warm_converged and warm_passes < passes  # handed over after WARM_BLOCK_AFTER
 
 
-def spread_classes(n: int = 3000, k: int = 400, d: int = 32) -> torch.Tensor:
-    """``(n, k)`` float32 log-likelihoods of classes in d = 32 (less overlap than
-    :func:`crowded_classes`; the solve's support 305 of 400 classes)."""
-    gen = torch.Generator().manual_seed(0)
-    z = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=1)
-    x = z[torch.randint(k, (n,), generator=gen)] + 0.4 * torch.randn(n, d, generator=gen)
-    return (6.0 * x @ z.T).float()
-
-
 def test_classes_outside_the_block_take_ems_step_in_the_same_pass(monkeypatch):
     """A support of 13 blocks (305 classes, blocks of 24), as the 21k world's ten at
     N = 200,000: each block step also moves the classes outside the block by EM's step, so the
@@ -78,7 +70,7 @@ def test_classes_outside_the_block_take_ems_step_in_the_same_pass(monkeypatch):
     monkeypatch.setattr(mixture, "MAX_COLUMNS", 64)
     monkeypatch.setattr(mixture_newton, "MAX_COLUMNS", 64)
     monkeypatch.setattr(mixture_newton, "BLOCK_COLUMNS", 24)
-    loglik = spread_classes()
+    loglik = crowded_classes(3000, 400, 32, noise=0.4)  # less overlap in d = 32: support 305
     g = loglik.double()
 
     def ell_and_gap(pi: torch.Tensor) -> tuple[float, float]:  # float64, outside the solver
