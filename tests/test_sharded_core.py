@@ -170,13 +170,6 @@ def sharded_logits(
     return joined, fits[0].head.tau_g
 
 
-FLOAT32_ROUNDING = 16 * torch.finfo(torch.float32).eps
-"""1, 2 and 3 shards fit the same head up to float64 rounding (their passes are exact where
-the world is small, :func:`frolic_tta.logits.exact_arithmetic`); what is left between their
-logits is the float32 rounding of the few operations that make f_d from it (each 2^-24 of
-its operands, which can exceed the final logit: 16 ulps of the largest is 1.9e-6)."""
-
-
 def test_float64_features_on_a_flat_mixture_agree_on_any_number_of_shards():
     # the Newton phase worked in place on float64 logits (``.to(float64)`` is no copy):
     # the buffer was overwritten by its exponentials and the Hessian became inf (a crash);
@@ -197,14 +190,24 @@ def test_float32_features_on_a_flat_mixture_agree_on_any_number_of_shards(chunk_
     # 1.25e-5 with AVX-512 kernels (a float32 product's rounding follows the number of rows
     # in it, float32 column sums the rows that share a chunk, and the test prior's EM stopped
     # wherever its path crossed the tolerance: its weights 1.7e-4 apart). Exact passes and
-    # Newton's fixed point: identical logits, tau_g to 1e-16, under every kernel set measured
+    # Newton's fixed point: identical logits, tau_g to 1e-16, on an AMD EPYC under every
+    # kernel set. Not on an Intel Xeon, where MKL takes its AVX-512 kernels: there the refitted
+    # head differs between 1 and 2 shards in its last float64 bits (its sums over samples are
+    # added in another order), so one of the 5,120 component log-likelihoods rounds to the
+    # other float32 neighbour, and this flat mixture's refits (conditioned at about 1e4 each)
+    # carry that one unit to 6.2e-6 of the largest logit and 5.0e-6 of tau_g
+    # (``MKL_ENABLE_INSTRUCTIONS=AVX2``: no flip, identical again). Float64 logits took the
+    # flip away (tau_g to 5e-12) but left the last bits of every product to the matrix
+    # library's blocking, which moved a capped fit's tau_g by 5 % between two chunk sizes
+    # (test_estimator_edges); so the logits stay float32 and the bound here is the one this
+    # test had before the passes were exact, 1e-5, with the predictions identical
     features, prototypes = encoder_world(torch.float32)
     whole, tau_g = sharded_logits(features, prototypes, 1)
     for parts in (1, 2, 3):
         other, other_tau_g = sharded_logits(features, prototypes, parts, chunk_size)
-        assert float((whole - other).abs().max() / whole.abs().max()) <= FLOAT32_ROUNDING
+        assert float((whole - other).abs().max() / whole.abs().max()) <= 1e-5
         assert torch.equal(whole.argmax(1), other.argmax(1))
-        assert other_tau_g == pytest.approx(tau_g, rel=1e-9)
+        assert other_tau_g == pytest.approx(tau_g, rel=1e-5)
 
 
 def test_soft_sums_are_float64_where_cheap():
