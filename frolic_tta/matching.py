@@ -45,14 +45,14 @@ Shapes: N samples, K classes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from frolic_tta.logits import LogitSource, ReduceFn, flushed_exp, identity_reduce, workspace
+from frolic_tta.logits import LogitSource, ReduceFn, identity_reduce
 from frolic_tta.matching_newton import newton_direction
+from frolic_tta.sweeps import Exponentials, exponentials, unnormalised
 
 
 def floored(prior: Tensor, prior_floor: float) -> Tensor:
@@ -130,74 +130,6 @@ class _MassSums:
     def reduce(self, reduce_fn: ReduceFn) -> _MassSums:
         """The sums over all shards: one ``reduce_fn`` call."""
         return _MassSums.unpack(reduce_fn(self.pack()), self.mass.shape[0])
-
-
-_EXP_RANGE = 80.0
-r"""Largest logit spread within a row plus spread of the shift for which
-:class:`Exponentials` serve a pass: every product :math:`e_{ij} s_j \ge e^{-80}` is a normal
-float32 (the smallest is about :math:`e^{-87}`), so nothing underflows that the exponential of
-the sum would keep."""
-
-
-@dataclass(frozen=True)
-class Exponentials:
-    r""":math:`e_{ij} = \exp(f_{ij} - \max_k f_{ik})` of a shard, computed once: a matching's
-    passes then need no exponential, :math:`\exp(f_{ij} + s_j - c_i) = e_{ij}\,
-    e^{s_j - \max s}` with :math:`c_i = \max_k f_{ik} + \max s` (:func:`exponentials`).
-
-    Attributes:
-        values: ``(N_local, K)`` :math:`e` (a buffer the caller lent; overwritten).
-        tops: ``(N_local, 1)`` :math:`\max_k f_{ik}`.
-        depth: the largest :math:`\max_k f_{ik} - \min_k f_{ik}` of the shard's rows.
-        rows: rows per chunk (the source's).
-    """
-
-    values: Tensor
-    tops: Tensor
-    depth: float
-    rows: int
-
-
-def exponentials(source: LogitSource, buffer: Tensor) -> Exponentials:
-    """:class:`Exponentials` of ``source`` in ``buffer`` ``(N_local, K)`` (one pass, no
-    reduction: each shard decides per pass whether its own serve, the sums are the same)."""
-    tops = buffer.new_empty((source.num_samples, 1))
-    depth, rows = 0.0, 1
-    for start, logits in source.chunks():
-        values = buffer[start : start + logits.shape[0]]
-        top = tops[start : start + logits.shape[0]]
-        torch.amax(logits, dim=1, keepdim=True, out=top)
-        depth = max(depth, float((top.squeeze(1) - logits.amin(dim=1)).max()))
-        flushed_exp(torch.sub(logits, top, out=values))
-        rows = max(rows, logits.shape[0])
-    return Exponentials(buffer, tops, depth, rows)
-
-
-def unnormalised(
-    source: LogitSource, shift: Tensor, exp: Exponentials | None
-) -> Iterator[tuple[Tensor, Tensor]]:
-    r"""``(e, c)`` per chunk: :math:`e_{ij} = \exp(f_{ij} + s_j - c_i)` with
-    :math:`c_i \ge \max_j (f_{ij} + s_j)` up to the spread of ``shift`` (a chunk-sized
-    workspace, overwritten by the next chunk), from ``exp`` where its range serves ``shift``,
-    else one exponential per entry of the logits."""
-    spread = float(shift.max() - shift.min())
-    work: Tensor | None = None  # one chunk-sized temporary for every chunk
-    if exp is not None and exp.depth + spread < _EXP_RANGE:
-        high = float(shift.max())
-        scale = torch.exp(shift - high).to(exp.values)
-        for start in range(0, exp.values.shape[0], exp.rows):
-            values = exp.values[start : start + exp.rows]
-            work = workspace(work, values)
-            yield torch.mul(values, scale, out=work[0]), exp.tops[start : start + exp.rows] + high
-        return
-    moved: Tensor | None = None  # the shift's one copy to the chunks' device
-    for _, logits in source.chunks():
-        work = workspace(work, logits)
-        if moved is None or moved.device != logits.device or moved.dtype != logits.dtype:
-            moved = shift.to(logits)
-        posterior = torch.add(logits, moved, out=work[0])
-        top = posterior.amax(dim=1, keepdim=True)
-        yield flushed_exp(posterior.sub_(top)), top
 
 
 def _sums(

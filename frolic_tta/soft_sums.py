@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from frolic_tta.gda import MomentSums
-from frolic_tta.logits import EXACT_PRODUCTS, LogitSource, exact_arithmetic
-from frolic_tta.matching import Exponentials, unnormalised
+from frolic_tta.logits import EXACT_PRODUCTS, LogitSource, exact_arithmetic, workspace
+from frolic_tta.sweeps import Exponentials, scaled_exponentials, unnormalised
 
 EXACT_SOFT_SUMS = EXACT_PRODUCTS
 """Largest N K d whose soft sums are float64 (:func:`~frolic_tta.logits.exact_arithmetic`)."""
@@ -51,17 +51,49 @@ def posterior_sums(
     N over all shards, which decides float64 products (:data:`EXACT_SOFT_SUMS`; ``None``:
     float32 products of float32 logits); ``entropy``: followed by
     :math:`\sum_i H(q_i) = -\sum_{ij} q_{ij}\ln q_{ij}` (one element; take it off before
-    :func:`refitted_sums`)."""
+    :func:`refitted_sums`).
+
+    Where the products are not float64, :math:`q_{ij} = e_{ij} s_j / n_i` is never written:
+    with :math:`n = e s` (a matrix-vector product), :math:`\sum_i q_i = s \circ (e^\top
+    n^{-1})` and :math:`\sum_i q_i x_i^\top = \mathrm{diag}(s)\, e^\top (x / n)`, and
+    :math:`H(q_i) = \ln n_i + \sum_j (\mathrm{entr}(e_{ij}) s_j - e_{ij} s_j \ln s_j)/n_i`
+    (:func:`~frolic_tta.sweeps.scaled_exponentials`). No unscaled term overflows: a row's
+    :math:`n_i` is at least :math:`e^{-D}` (the class of :math:`s = 1`) and at least
+    :math:`e^{-\text{spread}}` (its top class), so :math:`e_{ij}/n_i \le e^{40}` where the
+    exponentials serve (:math:`D + \text{spread} < 80`), and 1 where they do not
+    (:math:`s = 1`)."""
     k, d = source.num_classes, features.shape[1]
     exact = total is not None and exact_arithmetic(total, k, d)
     count = torch.zeros(k, dtype=torch.float64, device=features.device)
     weighted = torch.zeros(k, d, dtype=torch.float64, device=features.device)
     spread = torch.zeros(1, dtype=torch.float64, device=features.device)
     start = 0
-    for posterior, _ in unnormalised(source, log_offset, exp):
+    if not exact:  # e and s apart: no (n, K) write (module docstring)
+        work: Tensor | None = None  # entr(e), where the entropy is asked for
+        for values, scale, _ in scaled_exponentials(source, log_offset, exp):
+            rows = values.shape[0]
+            norm = values.sum(1) if scale is None else values @ scale
+            inverse = norm.reciprocal()
+            block = features[start : start + rows].to(values.dtype) * inverse.unsqueeze(1)
+            column, product = inverse @ values, values.t() @ block
+            if entropy:  # H(q_i) = ln n_i + sum_j (entr(e_ij) s_j - e_ij s_j ln s_j) / n_i
+                work = workspace(work, values)
+                plogs = torch.special.entr(values, out=work[0])
+                if scale is None:
+                    plogs = plogs.sum(1)
+                else:
+                    plogs = plogs @ scale - values @ torch.special.xlogy(scale, scale)
+                spread += (norm.log() + inverse * plogs).sum(dtype=torch.float64)
+            if scale is not None:
+                column, product = column * scale, product * scale.unsqueeze(1)
+            count += column.double()
+            weighted += product.double()
+            start += rows
+        return torch.cat([count, weighted.flatten()] + ([spread] if entropy else [])).cpu()
+    for posterior, _ in unnormalised(source, log_offset, exp):  # exact: float64 sums
         posterior.div_(posterior.sum(dim=1, keepdim=True))
-        dtype = torch.float64 if exact else posterior.dtype
-        q, block = posterior.to(dtype), features[start : start + posterior.shape[0]].to(dtype)
+        q = posterior.to(torch.float64)
+        block = features[start : start + posterior.shape[0]].to(torch.float64)
         count += q.sum(0).double()
         weighted += (q.t() @ block).double()
         if entropy:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from frolic_tta import calibration, gda, matching, mixture, mixture_newton, scores
+from frolic_tta import calibration, gda, mixture, mixture_newton, scores, sweeps
 from frolic_tta.logits import FLUSH_BELOW, flushed_exp
 from frolic_tta.options import FrolicOptions
 from frolic_tta.pipeline import fit_frolic
@@ -53,7 +53,7 @@ def test_the_fit_is_unchanged_by_the_flush_where_it_flushes_millions(monkeypatch
     likelihoods more than 87 nats deep (2 million entries flushed, the case where the flush
     halves the fit's time), and the fit equals the one with the subnormals of torch.exp."""
     world = clip_like_world(200, 300, 32, noise=0.8, seed=0)
-    modules = (calibration, gda, matching, mixture, mixture_newton, scores)
+    modules = (calibration, gda, sweeps, mixture, mixture_newton, scores)
     flushed_entries = []
 
     def counting(values, out=None):
