@@ -70,19 +70,24 @@ def posterior_sums(
     start = 0
     if not exact:  # e and s apart: no (n, K) write (module docstring)
         work: Tensor | None = None  # entr(e), where the entropy is asked for
+        pair: Tensor | None = None  # (K, 2): s and s ln s, for the entropy's row sums
         for values, scale, _ in scaled_exponentials(source, log_offset, exp):
-            rows = values.shape[0]
-            norm = values.sum(1) if scale is None else values @ scale
+            rows, offsets = values.shape[0], None
+            if scale is None:
+                norm = values.sum(1)
+            elif entropy:  # n_i and sum_j e_ij s_j ln s_j in one (n, K) x (K, 2) product
+                if pair is None:
+                    pair = torch.stack([scale, torch.special.xlogy(scale, scale)], dim=1)
+                norm, offsets = (values @ pair).unbind(1)
+            else:
+                norm = values @ scale
             inverse = norm.reciprocal()
             block = features[start : start + rows].to(values.dtype) * inverse.unsqueeze(1)
             column, product = inverse @ values, values.t() @ block
             if entropy:  # H(q_i) = ln n_i + sum_j (entr(e_ij) s_j - e_ij s_j ln s_j) / n_i
                 work = workspace(work, values)
                 plogs = torch.special.entr(values, out=work[0])
-                if scale is None:
-                    plogs = plogs.sum(1)
-                else:
-                    plogs = plogs @ scale - values @ torch.special.xlogy(scale, scale)
+                plogs = plogs.sum(1) if scale is None else plogs @ scale - offsets
                 spread += (norm.log() + inverse * plogs).sum(dtype=torch.float64)
             if scale is not None:
                 column, product = column * scale, product * scale.unsqueeze(1)
