@@ -334,6 +334,20 @@ def log_likelihood(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> t
     return ell, room
 
 
+def log_likelihood_beside(
+    source: LogitSource, prior: Tensor, reduce_fn: ReduceFn, beside: Callable[[], Tensor]
+) -> tuple[float, Tensor]:
+    r""":func:`log_likelihood`'s :math:`\ell(\pi)` (one pass), with more sums of the same pass
+    reduced in its one ``reduce_fn`` call: ``beside()``, a 1-D float64 tensor of the local
+    shard, called once the pass is over (``source``'s chunks may gather it as they are read).
+    Returns :math:`\ell(\pi)` and ``beside``'s sums over all shards."""
+    local = _mixture_sums(source, _log_prior(prior)).pack()
+    extra = beside().to(local)
+    packed = reduce_fn(torch.cat([local, extra]))
+    sums = _MixtureSums.unpack(packed[: local.shape[0]])
+    return float(sums.log_likelihood), packed[local.shape[0] :]
+
+
 def em_step(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float, Tensor]:
     r""":func:`log_likelihood`'s pass, with the EM step it gives: ``(l(pi), headroom, pi')``,
     :math:`\pi' = \frac1N\sum_i r_i` ``(K,)`` (the step of :func:`mixture_weights`)."""
@@ -345,7 +359,12 @@ def _em_pass(
     source: LogitSource, prior: Tensor, reduce_fn: ReduceFn
 ) -> tuple[Tensor, _MixtureSums]:
     """One reduced pass at ``prior`` ``(K,)``: the EM step from it and the pass's sums."""
-    local = _mixture_sums(source, prior.double().clamp(min=torch.finfo(torch.float64).tiny).log())
+    local = _mixture_sums(source, _log_prior(prior))
     sums = _MixtureSums.unpack(reduce_fn(local.pack()))
     new = sums.responsibility / sums.count
     return new / new.sum(), sums
+
+
+def _log_prior(prior: Tensor) -> Tensor:
+    """``ln prior`` in float64, zeros at float64's smallest normal."""
+    return prior.double().clamp(min=torch.finfo(torch.float64).tiny).log()

@@ -1,6 +1,6 @@
 """Bounds that end a solve early without changing what it decides (issue 35, item 6):
 Cover's bound on what mixture weights can still gain, the bias test's first passes by chunks,
-and the fusion choice's evidence lower bound. Each is checked against the exact quantity it
+and the fusion choice's evidence lower bounds. Each is checked against the exact quantity it
 bounds and against a fit that runs to the end."""
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ import torch
 import frolic_tta
 from frolic_tta import evidence, fusion
 from frolic_tta.gda import fit_gaussian_head
-from frolic_tta.logits import TensorLogits, identity_reduce
-from frolic_tta.mixture import _mixture_sums, log_likelihood, mixture_weights
+from frolic_tta.logits import TensorLogits, identity_reduce, materialise
+from frolic_tta.mixture import (
+    _mixture_sums,
+    log_likelihood,
+    log_likelihood_beside,
+    mixture_weights,
+)
 from frolic_tta.pipeline import shard_moment_sums
 from frolic_tta.synthetic import clip_like_world, means_world
 from tests.sharding import fit_interleaved
@@ -106,12 +111,62 @@ def test_the_fusion_bound_is_the_float64_evidence_lower_bound():
     assert fusion.label_likelihood(*args, floor=bound + 1e-3) == exact  # not enough: l itself
 
 
-def test_a_fusion_settled_by_the_bound_decides_as_the_full_comparison(monkeypatch):
-    # a confident CLIP-like world (zero-shot 0.97): the pooled fusion wins by about 250 nats,
-    # and its bound alone proves it, without the product of its components
+def test_the_cross_bound_is_the_float64_evidence_lower_bound_less_its_rounding():
+    # the pooled labels' ELBO under another mixture's components, read in that mixture's pass
+    world = means_world(400, 5, 8, noise=0.6, seed=1)
+    features, prototypes = world.features, world.prototypes  # float32: rounding to cover
+    head = fit_gaussian_head(shard_moment_sums(features, prototypes, 0.01), prototypes)
+    components = head.gda().source(features, 100)
+    pooled = TensorLogits(features @ prototypes.t() / 0.05, 100)  # another classifier
+    offset = torch.tensor([0.3, -0.2, 0.1, 0.0, -0.4], dtype=torch.float64)
+    prior = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15], dtype=torch.float64)
+    cross = fusion._CrossBound(components, pooled, offset, prior.log())
+    ell, (bound, rounding) = log_likelihood_beside(
+        cross, prior, identity_reduce, lambda: cross.sums
+    )
+    assert ell == log_likelihood(components, prior, identity_reduce)[0]  # the same pass's l
+    # independently, in float64 from the same float32 logits: sum_ij q_ij (g_ij + ln pi_j) + H(q)
+    g = materialise(components).double()
+    q = torch.softmax(materialise(pooled).double() + offset, dim=1)
+    reference = float((q * (g + prior.log())).sum() - torch.special.xlogy(q, q).sum())
+    # within the derived rounding (measured 1.6e-5 nats against 6.4e-3), far below Kr/2 = 20
+    assert abs(float(bound) - reference) <= float(rounding) < 1e-3 * 20
+    assert float(bound - rounding) <= reference < float(torch.logsumexp(g + prior.log(), 1).sum())
+    # the pooled logits chunked otherwise: rows apart, no bound (not a wrong one)
+    apart = fusion._CrossBound(components, TensorLogits(pooled.logits, 64), offset, prior.log())
+    assert (
+        log_likelihood_beside(apart, prior, identity_reduce, lambda: apart.sums)[1][0] == -math.inf
+    )
+
+
+def without_cross_bound(monkeypatch):
+    """The fusion choice as before the cross bound: the head alone's pass bounds nothing."""
+    beside = fusion.log_likelihood_beside
+
+    def alone(source, prior, reduce_fn, _):
+        ell, _ = beside(source, prior, reduce_fn, lambda: torch.zeros(2, dtype=torch.float64))
+        return ell, torch.tensor([-math.inf, 0.0], dtype=torch.float64)
+
+    monkeypatch.setattr(fusion, "log_likelihood_beside", alone)
+
+
+@pytest.mark.parametrize("bound", ["cross", "pooled"])
+def test_a_fusion_settled_by_a_bound_decides_as_the_full_comparison(monkeypatch, bound):
+    # a confident CLIP-like world (zero-shot 0.97): the pooled fusion wins by about 250 nats.
+    # The pooled labels under the head alone's mixture prove it in the head alone's pass (no
+    # pass of the pooled fusion's own); without that bound, the pooled refit's own bound does,
+    # without the product of its components
     world = clip_like_world(2000, 20, 32, noise=0.2, seed=0)
+    original, refits = fusion.label_likelihood, []
+    if bound == "pooled":
+        without_cross_bound(monkeypatch)
+    monkeypatch.setattr(
+        fusion, "label_likelihood", lambda *a, **k: refits.append(1) or original(*a, **k)
+    )
     early = quiet_fit(world)
-    original = fusion.label_likelihood
+    assert refits == ([] if bound == "cross" else [1])
+    if bound == "cross":
+        without_cross_bound(monkeypatch)
     monkeypatch.setattr(fusion, "label_likelihood", lambda *a, floor=None, **k: original(*a, **k))
     full = quiet_fit(world)
     assert full.priors.fusion_gap < early.priors.fusion_gap <= 0.0  # the bound decided: pooled
