@@ -81,7 +81,6 @@ from frolic_tta.evidence import data_span, mixture_model
 from frolic_tta.gda import GaussianHead, MomentSums, shared_covariance
 from frolic_tta.head import fused_map
 from frolic_tta.logits import (
-    FLUSH_BELOW,
     AffineMap,
     LogitSource,
     ReduceFn,
@@ -203,15 +202,17 @@ class _CrossBound(LogitSource):
 
     def chunks(self) -> Iterator[tuple[int, Tensor]]:
         work: Tensor | None = None  # two chunk-sized temporaries for every chunk
-        offset = log_prior = None
+        local = offset = log_prior = None  # summed where the chunks are: one copy a pass
+        apart = False
         others = self.other.chunks()
         for start, values in self.components.chunks():
             at, logits = next(others, (None, None))
-            if at != start or logits is None or logits.shape != values.shape:  # no bound
-                self.sums[0] = -math.inf
+            apart = apart or at != start or logits is None or logits.shape != values.shape
+            if apart:  # rows apart (another chunking): no bound
                 yield start, values
                 continue
-            if offset is None:
+            if local is None or local.device != logits.device:
+                local = torch.zeros(2, dtype=torch.float64, device=logits.device)
                 offset, log_prior = self.offset.to(logits), self.log_prior.to(logits)
                 reach = float(log_prior.abs().max()) + 1.0
                 unit = torch.finfo(logits.dtype).eps / 2  # u
@@ -220,15 +221,18 @@ class _CrossBound(LogitSource):
             shifted = torch.add(logits, offset, out=work[0])
             shifted.sub_(shifted.amax(dim=1, keepdim=True))  # z' <= 0, 0 at the top
             depth = shifted.amin(dim=1).neg()  # max_j |z'_ij|
-            deep = float(depth.max()) > -FLUSH_BELOW.get(logits.dtype, -math.inf)
-            exp = flushed_exp(shifted, out=work[1]) if deep else torch.exp(shifted, out=work[1])
+            exp = flushed_exp(shifted, out=work[1])
             norm = exp.sum(1)  # s_i >= 1
             terms = torch.sub(values, shifted, out=shifted).add_(log_prior)  # g + ln pi - z'
             rows = norm.log() + exp.mul_(terms).sum(1) / norm
             size = torch.maximum(values.amax(1).abs(), values.amin(1).abs()) + depth + reach
-            self.sums[0] += rows.sum(dtype=torch.float64).cpu()
-            self.sums[1] += factor * size.sum(dtype=torch.float64).cpu()
+            local[0] += rows.sum(dtype=torch.float64)
+            local[1] += factor * size.sum(dtype=torch.float64)
             yield start, values
+        if apart:
+            self.sums = torch.tensor([-math.inf, 0.0], dtype=torch.float64)
+        elif local is not None:
+            self.sums = local.cpu()
 
 
 def choose_fusion(
