@@ -52,8 +52,8 @@ Two bounds follow, tried in turn:
   Kr/2`, the pooled fusion is certain and nothing of its own is computed (neither its soft
   sums nor its components). At ImageNet size (``benchmarks/finalize.py``) it clears that mark
   by 168,500 and 241,700 nats (benchmark and confident worlds): the pooled refit's pass is
-  skipped (0.49-0.60 s of a 4.5 s finalize on 2 cores of an Intel Xeon; the head alone's pass
-  takes 0.17 s more).
+  skipped (0.49-0.60 s; finalize 4.7 s → 4.2-4.3 s on 2 cores of an Intel Xeon, the head
+  alone's pass taking 0.11-0.17 s more; docs/benchmarks.md).
 * **the pooled refit's own**, from the pass that refits it, whose first sum is
   :math:`\sum_j w_j^\top(\sum_i q_{ij}x_i - n_j\hat\mu) + n_j(b_j + \ln\tilde\pi_j)`,
   read off the refit's soft sums: where it clears the mark, the components' product is
