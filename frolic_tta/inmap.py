@@ -57,7 +57,15 @@ source (``labels_from``), still starting the proxies from :math:`Z`.
 Deviations from the reference code: float64 proxies and reduced sums (each shard's gradient
 is accumulated in the features' dtype, float32 for CLIP features, like the reference's float32
 product), the labels' column scaling kept in log space and floored at the smallest float64 (a
-class no image prefers would give NaN there).
+class no image prefers would give NaN there). Where the passes are exact
+(:math:`NKd \le 2.1\cdot10^9`, :func:`~frolic_tta.logits.exact_arithmetic`, the estimator's
+rule), the logits are float64 products rounded once to the features' dtype (the softmax
+stays there, as in the reference) and the sums over samples are float64: a float32 product's
+rounding follows the rows in it, which put 1 and 2 shards 2.0e-5 apart after 500 steps
+(``tests/test_inmap.py``'s world, MKL's AVX2 kernels on an Intel Xeon; now 7e-15). It costs
+2.3x the float32 steps (``benchmarks/peers.py``'s world, N = 20,000, K = 50, d = 128, 2 cores
+of an Intel Xeon: 2,000 steps 13.1 s → 30.6 s, the 21 of the convergence test 0.29 s → 0.58 s;
+top-1 0.8652 and 0.8692 both times).
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -75,6 +83,7 @@ from frolic_tta.logits import (
     ReduceFn,
     chunk_rows,
     compute_dtype,
+    exact_arithmetic,
     identity_reduce,
 )
 from frolic_tta.options import FrolicOptions, check_positive
@@ -118,9 +127,12 @@ def pseudo_labels_sums(
     target: Tensor | None = None,
     reduce_fn: ReduceFn | None = None,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    exact: bool = False,
 ) -> Tensor:
     r""":math:`\sum_i q_i x_i^\top` ``(K, d)`` float64 over all shards: InMaP's balanced,
     thresholded pseudo-labels :math:`q_i` (step 1 of the module docstring) times the features.
+    ``exact``: float64 products rounded once to the features' dtype and float64 sums over
+    samples (module docstring; :func:`fit_proxies` decides).
 
     ``gamma``: InMaP's exponent of the target column masses, :math:`(\sum_i
     \mathrm{softmax}_i)^\gamma` normalised (0: equal masses). ``labels_from``: the classifier
@@ -134,23 +146,26 @@ def pseudo_labels_sums(
     if labels_from is None:
         labels_from = AffineMap(z, torch.zeros(z.shape[0], dtype=torch.float64))
     dtype, device = compute_dtype(features), features.device
-    weight = (labels_from.weight / text_temperature).to(device=device, dtype=dtype).t()
+    work = torch.float64 if exact else dtype  # the products'
+    weight = (labels_from.weight / text_temperature).to(device=device, dtype=work).t()
     bias = labels_from.bias.to(device=device, dtype=torch.float64) / text_temperature
     center = labels_from.center
-    center = None if center is None else center.to(device=device, dtype=dtype)
+    center = None if center is None else center.to(device=device, dtype=work)
     log_scale = torch.zeros(z.shape[0], dtype=torch.float64, device=device)
     log_target = torch.zeros_like(log_scale)
     if target is not None:  # class masses to balance to (a test prior), instead of gamma's
         log_target = torch.log(target.to(log_scale).clamp_min(torch.finfo(torch.float64).tiny))
 
     def labels(block: Tensor) -> Tensor:
-        block = block if center is None else block - center
-        return torch.softmax(torch.addmm((bias + log_scale).to(block), block, weight), dim=1)
+        block = block.to(work) if center is None else block.to(work) - center
+        logits = torch.addmm((bias + log_scale).to(block), block, weight)
+        return torch.softmax(logits.to(dtype), dim=1)
 
     for step in range(sinkhorn_iterations):
         column = torch.zeros_like(log_scale)
         for block in chunks:
-            column += labels(block).sum(0).to(column)
+            q = labels(block)
+            column += (q.double() if exact else q).sum(0).to(column)
         column = reduce_fn(column).clamp_min(torch.finfo(torch.float64).tiny)
         if step == 0 and gamma > 0 and target is None:  # q = (first softmax masses)^gamma
             log_target = gamma * torch.log(column)
@@ -163,7 +178,7 @@ def pseudo_labels_sums(
         sure = confidence > threshold
         q[sure] = 0.0
         q[sure, best[sure]] = 1.0
-        total += (q.t() @ block).to(total)
+        total += (q.to(work).t() @ block.to(work)).to(total)
     return reduce_fn(total)
 
 
@@ -287,6 +302,7 @@ def fit_proxies(
             raise ValueError(f"Expected `{name}` to be an int >= 0, but got {value!r}")
     reduce_fn = reduce_fn or identity_reduce
     count = reduce_fn(torch.tensor(float(features.shape[0]), dtype=torch.float64))
+    exact = exact_arithmetic(count, prototypes.shape[0], prototypes.shape[1])  # module docstring
     target = pseudo_labels_sums(
         features,
         prototypes,
@@ -298,18 +314,22 @@ def fit_proxies(
         target=target,
         reduce_fn=reduce_fn,
         chunk_size=chunk_size,
+        exact=exact,
     )
     chunks = _chunks(features, chunk_rows(prototypes.shape[0], chunk_size))
     proxies = prototypes.to(device=features.device, dtype=torch.float64)
     proxies = proxies / proxies.norm(dim=1, keepdim=True)
     step, previous = float(learning_rate), float("inf")
     dtype = compute_dtype(features)
+    work = torch.float64 if exact else dtype  # the products' and the sums'
     steps, converged = 0, False
     while steps < iterations and not converged:
-        weight = (proxies / temperature).to(dtype).t().contiguous()
-        local = torch.zeros(proxies.shape, dtype=dtype, device=features.device)
+        weight = (proxies / temperature).to(work).t().contiguous()
+        local = torch.zeros(proxies.shape, dtype=work, device=features.device)
         for block in chunks:  # sum_i softmax(W x_i / tau_i) x_i^T, accumulated in place
-            local.addmm_(torch.softmax(block @ weight, dim=1).t(), block)
+            block = block.to(work)  # exact: a float64 copy of the chunk
+            scores = torch.softmax((block @ weight).to(dtype), dim=1)  # exact: rounded once
+            local.addmm_(scores.to(work).t(), block)
         gradient = reduce_fn(local.to(torch.float64)) - target
         norm = float(gradient.norm())
         if norm > previous:
