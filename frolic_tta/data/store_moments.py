@@ -48,7 +48,9 @@ class StoredMoments:
 
     def for_run(self, prototypes: Tensor, tau_c: float) -> dict[str, Tensor] | None:
         """The sums where ``prototypes`` are bitwise the stored ones and ``tau_c`` the same,
-        else ``None``."""
+        else ``None``. The prototypes' bits can follow the matrix library's kernels and thread
+        count (MKL's AVX2 kernels on an Intel Xeon: 84 of 96 entries 1.6e-7 apart between 2
+        threads and 1): a run encoded otherwise computes the sums again."""
         same = tau_c == self.tau_c and prototypes.shape == self.prototypes.shape
         stored = self.prototypes.to(prototypes.device, prototypes.dtype)
         if not same or not torch.equal(stored, prototypes.detach()):
