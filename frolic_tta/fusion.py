@@ -90,7 +90,7 @@ from frolic_tta.logits import (
     workspace,
 )
 from frolic_tta.matching import MassMatch
-from frolic_tta.mixture import log_likelihood, log_likelihood_beside
+from frolic_tta.mixture import log_likelihood, log_likelihood_beside, log_weights
 from frolic_tta.options import FrolicOptions
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
 
@@ -214,7 +214,7 @@ class _CrossBound(LogitSource):
             if local is None or local.device != logits.device:
                 local = torch.zeros(2, dtype=torch.float64, device=logits.device)
                 offset, log_prior = self.offset.to(logits), self.log_prior.to(logits)
-                reach = float(log_prior.abs().max()) + 1.0
+                reach = float(self.log_prior.abs().max()) + 1.0  # on the host
                 unit = torch.finfo(logits.dtype).eps / 2  # u
                 factor = (math.ceil(math.log2(self.num_classes)) + 6) * unit
             work = workspace(work, logits, 2)
@@ -294,8 +294,7 @@ def choose_fusion(
     components = model.source(features, chunk_size, exact)
     # the pooled fusion's labels under the head alone's mixture, in the same pass: a lower
     # bound of l(pooled) (module docstring; ImageNet size: the pooled fusion is then certain)
-    log_prior = prior.double().clamp(min=torch.finfo(torch.float64).tiny).log()
-    cross = _CrossBound(components, pooled, pooled_bias.log_offset, log_prior)
+    cross = _CrossBound(components, pooled, pooled_bias.log_offset, log_weights(prior))
     at_alone, beside = log_likelihood_beside(cross, prior, reduce_fn, lambda: cross.sums)
     at_alone, bound = at_alone + terms, float(beside[0] - beside[1]) + terms
     threshold = 0.5 * prototypes.shape[0] * rank

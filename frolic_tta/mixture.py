@@ -341,7 +341,7 @@ def log_likelihood_beside(
     reduced in its one ``reduce_fn`` call: ``beside()``, a 1-D float64 tensor of the local
     shard, called once the pass is over (``source``'s chunks may gather it as they are read).
     Returns :math:`\ell(\pi)` and ``beside``'s sums over all shards."""
-    local = _mixture_sums(source, _log_prior(prior)).pack()
+    local = _mixture_sums(source, log_weights(prior)).pack()
     extra = beside().to(local)
     packed = reduce_fn(torch.cat([local, extra]))
     sums = _MixtureSums.unpack(packed[: local.shape[0]])
@@ -359,12 +359,12 @@ def _em_pass(
     source: LogitSource, prior: Tensor, reduce_fn: ReduceFn
 ) -> tuple[Tensor, _MixtureSums]:
     """One reduced pass at ``prior`` ``(K,)``: the EM step from it and the pass's sums."""
-    local = _mixture_sums(source, _log_prior(prior))
+    local = _mixture_sums(source, log_weights(prior))
     sums = _MixtureSums.unpack(reduce_fn(local.pack()))
     new = sums.responsibility / sums.count
     return new / new.sum(), sums
 
 
-def _log_prior(prior: Tensor) -> Tensor:
-    """``ln prior`` in float64, zeros at float64's smallest normal."""
+def log_weights(prior: Tensor) -> Tensor:
+    """``ln prior`` ``(K,)`` in float64, zeros floored at float64's smallest normal."""
     return prior.double().clamp(min=torch.finfo(torch.float64).tiny).log()
