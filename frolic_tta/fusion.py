@@ -170,7 +170,7 @@ def refitted_mixture(
     # sum_ij q_ij (g_ij + ln pi_j) from the soft sums, no product
     masses = refit.soft_count.to(model.weight)
     centred = refit.soft_sum.to(model.weight) - masses[:, None] * model.center
-    logs = prior.to(model.weight).clamp(min=torch.finfo(torch.float64).tiny).log()
+    logs = log_weights(prior).to(model.weight)
     expected = (model.weight * centred).sum() + masses @ (model.bias + logs)
     return model, terms, float(expected) + float(packed[-1]) + terms
 
