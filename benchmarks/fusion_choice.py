@@ -17,7 +17,10 @@ refitted under its debiased labels is more likely than the pooled one's by more 
   refitted on the other half (2 folds, a seeded random split; float64), and its Vuong
   statistic :math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`d_i` the per-sample difference);
 * top-1 of the default's :math:`f_d`, of the pooled and of the head-alone candidate, each
-  matched to the fit's test prior (:func:`frolic_tta.estimate_label_bias`, ``target``).
+  matched to the fit's test prior (:func:`frolic_tta.estimate_label_bias`, ``target``);
+* a third candidate the rule does not have, :math:`f_c/\tau_c` alone (matched the same way):
+  its in-sample and held-out :math:`\ell(\text{zero-shot alone}) - \ell(\text{pooled})`, Z
+  and top-1 (could the same likelihood keep :math:`f_c` where the head is worse?).
 
 Worlds: ``no_harm.py``'s (prototypes are the class means, 18 fits; the README's example, 3),
 the CLIP-like label-shift worlds of ``label_shift.py --quick`` (N = 5,000, K = 50, d = 128)
@@ -107,13 +110,15 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
     threshold = 0.5 * z.shape[0] * rank
     alone = result.gda_logits.double() / head.tau_g
     zero_shot = result.zero_shot_logits.double() / head.tau_c
-    candidates = {"pooled": 0.5 * (alone + zero_shot), "head alone": alone}
+    pooled = 0.5 * (alone + zero_shot)
+    candidates = {"pooled": pooled, "head alone": alone, "zero-shot alone": zero_shot}
     scores = {key: debiased(logits, prior, eps) for key, logits in candidates.items()}
     x64 = features.double()
     split = torch.randperm(x64.shape[0], generator=torch.Generator().manual_seed(0))
     folds = list(split.chunk(2))
     per = {key: held_out(x64, s.softmax(1), prior, span, folds) for key, s in scores.items()}
     diff = per["head alone"] - per["pooled"]
+    other = per["zero-shot alone"] - per["pooled"]
     whole = [torch.arange(x64.shape[0])]  # in sample: this script's math against the fit's gap
     own = {key: held_out(x64, s.softmax(1), prior, span, whole) for key, s in scores.items()}
     return {
@@ -123,10 +128,14 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
         "threshold": threshold,
         "held-out gap": float(diff.sum()),
         "held-out Z": float(diff.sum() / (math.sqrt(diff.shape[0]) * diff.std())),
+        "zero-shot gap here": float((own["zero-shot alone"] - own["pooled"]).sum()),
+        "zero-shot held-out gap": float(other.sum()),
+        "zero-shot held-out Z": float(other.sum() / (math.sqrt(other.shape[0]) * other.std())),
         "f_c": frolic_tta.accuracy(zero_shot, labels),
         "f_d": frolic_tta.accuracy(result.logits, labels),
         "pooled": frolic_tta.accuracy(scores["pooled"], labels),
         "head alone": frolic_tta.accuracy(scores["head alone"], labels),
+        "zero-shot alone": frolic_tta.accuracy(scores["zero-shot alone"], labels),
     }
 
 
@@ -146,7 +155,10 @@ def main() -> None:
             f"held-out {row['held-out gap']:7.1f} Z {row['held-out Z']:5.1f} | f_c "
             f"{row['f_c']:.4f} f_d {row['f_d']:.4f} ({kept}) pooled {row['pooled']:.4f} "
             f"head alone {row['head alone']:.4f} ({100 * (row['head alone'] - row['pooled']):+.2f}"
-            " pt)",
+            f" pt) | zero-shot alone: gap {row['zero-shot gap here']:7.1f}, held-out "
+            f"{row['zero-shot held-out gap']:7.1f} Z {row['zero-shot held-out Z']:5.1f}, "
+            f"{row['zero-shot alone']:.4f} "
+            f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)",
             flush=True,
         )
     payload = {"machine": common.finish_info(info), "runs": runs}
