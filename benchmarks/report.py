@@ -471,9 +471,12 @@ GPU_NOTE = (
     "baseline, and cores used counts the host CPU. The paper options' β loop (Algorithm 2's "
     "hard labels and K×K power iterations, a host round trip per step) is the one phase slower "
     "than the float64 reference there. The full 21k case (N = 200,000, streamed in chunks of "
-    "1,024 rows) took 32 s on an H100, 28 s of it the test prior's 94 passes (87 in the CPU "
-    "run at N = 30,000, 1.4 samples per class), with the default of 2026-11-26; today's "
-    "default ran past 165 s on an H200 (the section on ImageNet-21k on an H200, below)."
+    "1,024 rows) takes 27.5 s on an H200 at bb7a7be (2026-11-28, the table's row: `bash "
+    "benchmarks/cuda.sh finalize_21k`), 21.9 s of it the test prior's 90 passes. With the "
+    "default of 2026-11-26 it took 32 s on an H100, 28 s of it the test prior's 94 passes (87 "
+    "in the CPU run at N = 30,000, 1.4 samples per class; top-1 0.539 then, 0.435 now: the "
+    "label-bias test and the fusion choice came since); the default of 5cd7242 ran past 165 s "
+    "on an H200 (the section on ImageNet-21k, below)."
 )
 
 
