@@ -72,6 +72,15 @@ def torch_uses_mkl() -> bool:
     return done.stdout.strip() == "True"
 
 
+def run_numeric(name: str, settings: dict[str, str], arguments: list[str]) -> str:
+    """The :data:`NUMERIC` files in a fresh process with ``settings`` added to the environment:
+    ``"passed"`` or ``"FAILED"``."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NUMERIC]
+    print(f"== ATEN_CPU_CAPABILITY={name}", flush=True)
+    done = subprocess.run([*command, *arguments], env={**os.environ, **settings}, cwd=ROOT)
+    return "passed" if done.returncode == 0 else "FAILED"
+
+
 def main(arguments: list[str]) -> int:
     results = []
     for name in CANDIDATES:
@@ -79,18 +88,11 @@ def main(arguments: list[str]) -> int:
         if used != name:
             results.append((name, f"skipped: this CPU does not offer it (torch uses {used!r})"))
             continue
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": name}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NUMERIC]
-        print(f"== ATEN_CPU_CAPABILITY={name}", flush=True)
-        done = subprocess.run([*command, *arguments], env=env, cwd=ROOT)
-        results.append((name, "passed" if done.returncode == 0 else "FAILED"))
-    if torch_uses_mkl():  # MKL's AVX2 kernels, with torch's: an Intel CPU without AVX-512
+        results.append((name, run_numeric(name, {"ATEN_CPU_CAPABILITY": name}, arguments)))
+    if torch_uses_mkl() and capability("avx2") == "avx2":  # an Intel CPU without AVX-512
+        settings = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
         name = "avx2 + MKL_ENABLE_INSTRUCTIONS=AVX2"
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NUMERIC]
-        print(f"== ATEN_CPU_CAPABILITY={name}", flush=True)
-        done = subprocess.run([*command, *arguments], env=env, cwd=ROOT)
-        results.append((name, "passed" if done.returncode == 0 else "FAILED"))
+        results.append((name, run_numeric(name, settings, arguments)))
     print()
     for name, outcome in results:
         print(f"ATEN_CPU_CAPABILITY={name}: {outcome}")
