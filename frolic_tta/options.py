@@ -36,22 +36,21 @@ BiasMethod = Literal["soft", "paper", "implicit", "none", "released"]
 """Label-bias estimators of :func:`frolic_tta.estimate_label_bias` (``"released"``: the
 authors' script, :func:`frolic_tta.released.released_label_bias`)."""
 Fusion = Literal["matched", "fixed", "pooled", "selected"]
-r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``:
-:math:`\tau_g = \tau_c` (the released script's equal x100 scales); ``"pooled"``: Eq. 11's
-:math:`\tau_g`, then the two experts averaged, :math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)`,
-before the label bias is matched (:func:`frolic_tta.calibration.pool_weight`); ``"selected"``:
-the pooled fusion or :math:`f_g/\tau_g` alone, whichever's debiased labels make the images more
-likely (:mod:`frolic_tta.fusion`)."""
+r"""``"matched"``: :math:`\tau_g` by confidence matching (Eq. 11); ``"fixed"``: :math:`\tau_g =
+\tau_c` (the released script's); ``"pooled"``: Eq. 11's :math:`\tau_g`, then
+:math:`f_f = \frac12(f_g/\tau_g + f_c/\tau_c)` (:func:`frolic_tta.calibration.pool_weight`);
+``"selected"``: pooled or :math:`f_g/\tau_g` alone, by the images (:mod:`frolic_tta.fusion`)."""
 TestPriorMethod = Literal["em", "uniform"]
 """``"em"``: the test prior estimated by EM on the Gaussian mixture; ``"uniform"``: a balanced
 test set, the paper's assumption (Proposition 2)."""
 ZeroShot = Literal["text", "inmap", "inmap_both"]
-"""``"text"``: the text prototypes; ``"inmap"``: InMaP's image-space proxies
-(:mod:`frolic_tta.inmap`); ``"inmap_both"``: proxies for both :math:`f_c` and :math:`f_g`, the
-released script (:mod:`frolic_tta.released`)."""
+"""``"text"``: the text prototypes; ``"inmap"``: InMaP's image-space proxies (:mod:`.inmap`);
+``"inmap_both"``: proxies for f_c and f_g, the released script (:mod:`.released`)."""
 HeadLabels = Literal["debiased", "zero_shot"]
 """``"debiased"``: the Gaussian head's means weighted by the zero-shot posterior with its label
 bias removed; ``"zero_shot"``: by the raw zero-shot posterior (Eqs. 4-8 as written)."""
+HeadMeans = Literal["tested", "sample"]
+"""``"tested"``: the prototypes' image where the images allow it (:mod:`.prototype_means`)."""
 BiasTest = Literal["off", "aic"]
 """``"off"``: the label bias is always removed; ``"aic"``: where the images show one
 (:mod:`frolic_tta.evidence`)."""
@@ -65,6 +64,7 @@ SHRINKAGE_MODES: tuple[str, ...] = get_args(ShrinkageMode)
 TEST_PRIORS: tuple[str, ...] = get_args(TestPriorMethod)
 ZERO_SHOTS: tuple[str, ...] = get_args(ZeroShot)
 HEAD_LABELS: tuple[str, ...] = get_args(HeadLabels)
+HEAD_MEANS: tuple[str, ...] = get_args(HeadMeans)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
 BIAS_TESTS: tuple[str, ...] = get_args(BiasTest)
 
@@ -208,6 +208,10 @@ class FrolicOptions:
             (:mod:`frolic_tta.prior`; its matchings are solved to :math:`10^{-6}`), or
             ``"zero_shot"``: the raw zero-shot posterior (Eqs. 4-8 as written; the
             paper's and the released script's). ``docs/method.md`` compares them.
+        head_means: ``"tested"`` (default): the head's class means are the prototypes'
+            image :math:`c + a z_j` where the images do not reject it, else the soft-label
+            means (:mod:`frolic_tta.prototype_means`; ``head_labels="debiased"``); ``"sample"``:
+            the soft-label means always (Eq. 5).
         fusion: ``"selected"`` (default: ``"pooled"``, or :math:`f_g/\tau_g` alone where its
             labels make the images more likely, :mod:`frolic_tta.fusion`),
             ``"pooled"`` (:math:`\tau_g` by Eq. 11, then
@@ -242,6 +246,7 @@ class FrolicOptions:
     test_prior: TestPriorMethod = "em"
     zero_shot: ZeroShot = "text"
     head_labels: HeadLabels = "debiased"
+    head_means: HeadMeans = "tested"
     fusion: Fusion = "selected"
     bias_test: BiasTest = "aic"
     inmap_gamma: float = 0.0
@@ -259,6 +264,7 @@ class FrolicOptions:
         check_choice("test_prior", self.test_prior, TEST_PRIORS)
         check_choice("zero_shot", self.zero_shot, ZERO_SHOTS)
         check_choice("head_labels", self.head_labels, HEAD_LABELS)
+        check_choice("head_means", self.head_means, HEAD_MEANS)
         check_choice("fusion", self.fusion, FUSIONS)
         check_choice("bias_test", self.bias_test, BIAS_TESTS)
         check_positive("inmap_gamma", self.inmap_gamma, allow_zero=True)

@@ -30,14 +30,9 @@ from torch import Tensor
 
 from frolic_tta.calibration import pool_weight
 from frolic_tta.debias import FUSED_BETA, ZERO_SHOT_BETA, fit_label_bias, warn_about_match
-from frolic_tta.evidence import tested_estimate
+from frolic_tta.evidence import data_span, tested_estimate
 from frolic_tta.fusion import choose_fusion, confidence_target, fuse
-from frolic_tta.gda import (
-    MomentSums,
-    fit_gaussian_head,
-    moment_sums,
-    zero_shot_buffer,
-)
+from frolic_tta.gda import MomentSums, fit_gaussian_head, moment_sums, zero_shot_buffer
 from frolic_tta.head import FrolicHead
 from frolic_tta.inmap import inmap_kwargs, inmap_proxies
 from frolic_tta.logits import (
@@ -55,6 +50,7 @@ from frolic_tta.matching import floored
 from frolic_tta.options import FrolicOptions, check_positive, resolve_options
 from frolic_tta.precision import ieee_float32
 from frolic_tta.prior import HEAD_LABELS_EPS, Priors, fit_test_prior
+from frolic_tta.prototype_means import tested_means
 from frolic_tta.released import released_proxies
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
 from frolic_tta.validation import (
@@ -205,8 +201,7 @@ def fit_frolic(
     # estimated on a mixture refitted under the debiased fused posterior)
     debias_head = options.head_labels == "debiased" and options.covariance == "soft"
     debias_head = debias_head and options.zero_shot != "inmap_both"
-    estimate = zero_shot_bias = gaussian = head_bias = None
-    evidence = None
+    estimate = zero_shot_bias = gaussian = head_bias = evidence = means_z = None
     head_eps = min(options.solver.eps, HEAD_LABELS_EPS)
     # the head's labels are balanced without the box on beta-hat_c: where over-confident
     # posteriors push beta-hat_c past it, a boxed matching leaves their class masses
@@ -271,6 +266,10 @@ def fit_frolic(
             )
     if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
         gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
+    filled = estimate is not None and estimate.head is not None  # f_g is in `buffer`
+    if options.head_means == "tested" and options.covariance == "soft" and debias_head:
+        tested, means_z = tested_means(gaussian, prototypes, sums, data_span(sums))
+        filled, gaussian = filled and tested is gaussian, tested  # on the prototypes: refill
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, "options": options}
         prototypes, gaussian = released_proxies(features, prototypes, gaussian, tau_c, **kwargs)
@@ -294,7 +293,7 @@ def fit_frolic(
         reduce_fn,
         chunk_size,
         gaussian,
-        filled=estimate is not None and estimate.head is not None,
+        filled=filled,
         target=confidence_target(sums) if summed else None,
         head_out=alone,
     )
@@ -367,6 +366,7 @@ def fit_frolic(
         passes=0 if estimate is None else estimate.passes,
         label_bias_evidence=evidence,
         fusion_gap=fusion_gap,
+        prototype_z=means_z,
     )
     report("done")
     return FrolicFit(head=head, sums=sums, priors=priors, logits=buffer)

@@ -333,6 +333,9 @@ class Priors:
         fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0:
             :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`; an upper bound where the pooled
             fusion's evidence lower bound decided), ``None`` where not compared.
+        prototype_z: the statistic of the head's means against the prototypes
+            (:mod:`frolic_tta.prototype_means`; |z| <= 3.09: the head takes the prototypes'
+            directions), ``None`` where not tested.
     """
 
     test_prior: Tensor
@@ -348,6 +351,7 @@ class Priors:
     passes: int = 0
     label_bias_evidence: float | None = None
     fusion_gap: float | None = None
+    prototype_z: float | None = None
 
     def summary(self, digits: int = 6) -> dict[str, object]:
         """JSON-friendly spreads, flags and per-class vectors (``digits`` significant)."""

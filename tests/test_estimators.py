@@ -312,7 +312,7 @@ def test_numpy_reference_of_the_debiased_head():
     with the fit's own beta_c and test prior pi, whose class masses are pi (to 1e-6)."""
     world = clip_world(num_samples=800, seed=5)
     x, z = world.features.double(), world.prototypes.double()
-    result = frolic_tta.frolic(x, z, shrinkage="oas")
+    result = frolic_tta.frolic(x, z, shrinkage="oas", head_means="sample")
     priors = result.priors
     logits = (x @ z.T / 0.01 - priors.zero_shot_beta.log() + priors.test_prior.log()).numpy()
     p = np.exp(logits - logits.max(1, keepdims=True))

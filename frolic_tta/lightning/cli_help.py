@@ -106,6 +106,11 @@ HELP = {
     "model.options.zero_shot": 'The zero-shot classifier f_c: "text" (the text prototypes), '
     '"inmap" (InMaP\'s proxies, Tables 1-2\'s "InMaP + Frolic") or "inmap_both" (the '
     "released script).",
+    "model.options.fusion": '"selected" ("pooled", or f_g/τ_g alone where its labels make the '
+    'images more likely), "pooled" (f_f = 1/2(f_g/τ_g + f_c/τ_c)), "matched" (Eq. 12 as '
+    'written) or "fixed" (τ_g = τ_c).',
+    "model.options.head_means": 'The Gaussian head\'s class means: "tested" (on the prototypes '
+    'where the images allow it) or "sample".',
     "seed_everything": "An int seeds every random generator before the classes are built; "
     "true: a random seed.",
     "trainer.accelerator": '"cpu", "gpu", "mps" or "auto".',

@@ -1,0 +1,117 @@
+r"""The Gaussian head's class means, tested against the text prototypes (``head_means="tested"``).
+
+The head's class means :math:`\hat\mu_j` (Eq. 5, weighted by soft labels) are noisy: with
+:math:`n_j` samples of class j each carries :math:`\Sigma/n_j` of sampling noise, K r numbers
+in all (r the rank of the data's span). Where the text prototypes already point at the class
+means (issue 35, item 1: worlds whose prototypes *are* the means), the head is a noisy copy of
+:math:`f_c` and the fusion keeps half of that noise (f_g 1.3-2.0 pt under f_c). The images can
+tell whether that is the case: under the hypothesis
+
+.. math::
+    H_0:\ \mu_j = c + a z_j\quad (a > 0;\ \text{the prototypes up to the modality gap } c
+    \text{ and a scale } a),
+
+fitted by weighted least squares in :math:`\hat\Sigma^{-1}` (weights :math:`n_j`), the residuals
+:math:`r_j = \hat\mu_j - \hat c - \hat a z_j` give
+
+.. math::
+    T = \sum_j n_j\, r_j^\top \hat\Sigma^{-1} r_j \sim \chi^2_\nu,\quad
+    \nu = (K' - 1) r - 1
+
+(:math:`K'` classes with samples), all on the data's span (Proposition 2's features end in a
+constant). Where neither tail rejects it at 0.1 % (Wilson-Hilferty's normal approximation of
+:math:`\chi^2_\nu`, :math:`|z| \le 3.09`), the head keeps :math:`\hat\Sigma`
+and takes the fitted means :math:`\hat c + \hat a z_j` (every class, those without samples
+included): Eq. 9 on the prototypes' directions through :math:`\hat\Sigma^{-1}`, the Bayes
+classifier of a Gaussian world whose means are the prototypes and whose covariance is not
+isotropic (``accuracy.py``'s ``paper_world``), where :math:`f_c` alone is not. Elsewhere the
+sample means stay. A preliminary test, like the test prior's (:mod:`frolic_tta.evidence`):
+James-Stein's partial shrinkage towards :math:`H_0` cost 0.4-0.8 pt on the CLIP-like worlds of
+``benchmarks/label_shift.py --quick``, where the sample means are far better than the
+prototypes (z 25 and more), because it minimises the squared error of the means, not the
+classifier's. The lower tail rejects too: means closer together than their sampling noise say
+that the soft labels are too blurred for the means to be independent estimates (a random
+encoder's features, ``tests/data/encoder_world.pt``: z = -35.5, where the prototypes' image
+took f_d from 0.296 to 0.145), not that the prototypes are right. :math:`n_j` are the soft
+counts; Kish's effective counts of soft labels are smaller, so the upper tail errs towards
+rejecting :math:`H_0` (towards the sample means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from frolic_tta.gda import GaussianHead, MomentSums
+
+LEVEL = 3.09
+r"""One-sided 0.1 % point of the standard normal: :math:`H_0` is kept where :math:`|z| \le` it."""
+
+
+def prototype_statistic(
+    means: Tensor, covariance: Tensor, counts: Tensor, prototypes: Tensor, span: Tensor | None
+) -> tuple[Tensor, float, float]:
+    r"""Fit :math:`H_0` (module docstring) to class ``means`` ``(K, d)`` with ``covariance``
+    ``(d, d)``, soft ``counts`` ``(K,)`` and ``prototypes`` ``(K, d)`` (float64), on ``span``
+    ``(d, r)`` (``None``: all of :math:`\mathbb R^d`).
+
+    Returns:
+        ``(fitted means (K, d), z, a)``: :math:`\hat c + \hat a z_j` in the full space, the
+        Wilson-Hilferty statistic of :math:`T` (``nan`` where :math:`\nu < 1` or the
+        covariance is singular on the span) and :math:`\hat a`.
+    """
+    if span is not None:
+        m, z, sigma = means @ span, prototypes @ span, span.t() @ covariance @ span
+    else:
+        m, z, sigma = means, prototypes, covariance
+    factor, info = torch.linalg.cholesky_ex(sigma)
+    keep = counts > 0
+    dof = (int(keep.sum()) - 1) * m.shape[1] - 1
+    if int(info) != 0 or dof < 1:
+        return means, math.nan, math.nan
+    w = torch.where(keep, counts, torch.zeros_like(counts)) / counts[keep].sum()
+    z_c, m_c = z - w @ z, m - w @ m
+    solved = torch.cholesky_solve(z_c.t(), factor).t()
+    spread = float((w * (solved * z_c).sum(1)).sum())
+    if not spread > 0.0:  # every class's prototype alike: no direction to test
+        return means, math.nan, math.nan
+    a = float((w * (solved * m_c).sum(1)).sum()) / spread
+    residual = m_c - a * z_c  # (K, r)
+    distance = (residual * torch.cholesky_solve(residual.t(), factor).t()).sum(1)
+    statistic = float((counts * distance)[keep].sum())
+    scale = 2.0 / (9.0 * dof)  # Wilson-Hilferty: (T / nu)^(1/3) ~ N(1 - scale, scale)
+    z_value = ((statistic / dof) ** (1.0 / 3.0) - (1.0 - scale)) / math.sqrt(scale)
+    fitted = means - (residual if span is None else residual @ span.t())
+    return fitted, z_value, a
+
+
+def tested_means(
+    head: GaussianHead, prototypes: Tensor, sums: MomentSums, span: Tensor | None
+) -> tuple[GaussianHead, float]:
+    r"""``head`` with its means replaced by :math:`\hat c + \hat a z_j` where :math:`H_0` is
+    not rejected (:math:`|z| \le` :data:`LEVEL`, :math:`\hat a > 0`), else ``head`` itself;
+    and the statistic z.
+
+    Args:
+        head: the fitted :class:`~frolic_tta.gda.GaussianHead` (``covariance="soft"``).
+        prototypes: ``(K, d)`` the zero-shot classifier's prototypes.
+        sums: the reduced moment sums (for N).
+        span: ``(d, r)`` the data's span (:func:`frolic_tta.evidence.data_span`) or ``None``.
+    """
+    z = prototypes.to(device=head.class_means.device, dtype=torch.float64)
+    counts = head.class_weights * float(sums.count)
+    fitted, z_value, a = prototype_statistic(
+        head.class_means, head.shared_covariance, counts, z, span
+    )
+    if not (abs(z_value) <= LEVEL and a > 0.0):
+        return head, z_value
+    factor, info = torch.linalg.cholesky_ex(head.shared_covariance)
+    if int(info) != 0:
+        return head, z_value
+    centred = (fitted - head.center[None, :]).t()
+    weight = torch.cholesky_solve(centred, factor).t()
+    bias = -0.5 * (centred.t() * weight).sum(1)
+    return dataclasses.replace(head, weight=weight, bias=bias, class_means=fitted), z_value
