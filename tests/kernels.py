@@ -52,6 +52,7 @@ NUMERIC = (
     "tests/test_block_newton.py",
     "tests/test_early_certificates.py",
     "tests/test_sweeps.py",
+    "tests/test_prototype_means.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""
