@@ -211,7 +211,7 @@ class FrolicOptions:
         head_means: ``"tested"`` (default): the head's class means are the prototypes'
             image :math:`c + a z_j` where the images do not reject it, else the soft-label
             means (:mod:`frolic_tta.prototype_means`; ``head_labels="debiased"``); ``"sample"``:
-            the soft-label means always (Eq. 5).
+            the soft-label means always (Default 1's m_j).
         fusion: ``"selected"`` (default: ``"pooled"``, or :math:`f_g/\tau_g` alone where its
             labels make the images more likely, :mod:`frolic_tta.fusion`),
             ``"pooled"`` (:math:`\tau_g` by Eq. 11, then

@@ -1,6 +1,6 @@
 r"""The Gaussian head's class means, tested against the text prototypes (``head_means="tested"``).
 
-The head's class means :math:`\hat\mu_j` (Eq. 5, weighted by soft labels) are noisy: with
+The head's class means :math:`\hat\mu_j` (weighted by soft labels) are noisy: with
 :math:`n_j` samples of class j each carries :math:`\Sigma/n_j` of sampling noise, K r numbers
 in all (r the rank of the data's span). Where the text prototypes already point at the class
 means (issue 35, item 1: worlds whose prototypes *are* the means), the head is a noisy copy of
@@ -24,7 +24,9 @@ constant). Where neither tail rejects it at 0.1 % (Wilson-Hilferty's normal appr
 and takes the fitted means :math:`\hat c + \hat a z_j` (every class, those without samples
 included): Eq. 9 on the prototypes' directions through :math:`\hat\Sigma^{-1}`, the Bayes
 classifier of a Gaussian world whose means are the prototypes and whose covariance is not
-isotropic (``accuracy.py``'s ``paper_world``), where :math:`f_c` alone is not. Elsewhere the
+isotropic (``accuracy.py``'s ``paper_world``), where :math:`f_c` alone is not. It is the paper's
+own model (Section 3.1: :math:`\mathcal N(z_j, \Sigma)`, :math:`w_j = \hat\Sigma^{-1} z_j`), with
+the modality gap and a scale, taken only where the images do not reject it. Elsewhere the
 sample means stay. A preliminary test, like the test prior's (:mod:`frolic_tta.evidence`):
 James-Stein's partial shrinkage towards :math:`H_0` cost 0.4-0.8 pt on the CLIP-like worlds of
 ``benchmarks/label_shift.py --quick``, where the sample means are far better than the
