@@ -52,6 +52,7 @@ from label_shift import build, world_specs
 
 import frolic_tta
 from frolic_tta.evidence import data_span
+from frolic_tta.prototype_means import prototype_statistic
 from frolic_tta.synthetic import clip_world, paper_world
 
 CRITICAL = 3.09  # one-sided 0.1 %
@@ -75,12 +76,8 @@ def prototype_z(result, directions: bool = False) -> float:
     counts = q.sum(0)
     keep = counts > 1e-9
     effective = counts**2 / (q**2).sum(0).clamp_min(1e-300)
+    residual = means - prototype_statistic(means, sigma, counts, z, None)[0]  # the library's fit
     factor = torch.linalg.cholesky(sigma)
-    w = counts / counts.sum()
-    z_c, m_c = z - w @ z, means - w @ means
-    solved = torch.cholesky_solve(z_c.t(), factor).t()
-    scale = float((w * (solved * m_c).sum(1)).sum() / (w * (solved * z_c).sum(1)).sum())
-    residual = m_c - scale * z_c
     mahalanobis = (residual * torch.cholesky_solve(residual.t(), factor).t()).sum(1)
     dof = (int(keep.sum()) - 1) * means.shape[1] - 1
     statistic = float((effective * mahalanobis)[keep].sum())

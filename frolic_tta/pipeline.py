@@ -267,7 +267,7 @@ def fit_frolic(
     if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
         gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     filled = estimate is not None and estimate.head is not None  # f_g is in `buffer`
-    if options.head_means == "tested" and options.covariance == "soft" and debias_head:
+    if options.head_means == "tested" and debias_head:  # debias_head: covariance="soft"
         tested, means_z = tested_means(gaussian, prototypes, sums, data_span(sums))
         filled, gaussian = filled and tested is gaussian, tested  # on the prototypes: refill
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g

@@ -74,7 +74,7 @@ def prototype_statistic(
     dof = (int(keep.sum()) - 1) * m.shape[1] - 1
     if int(info) != 0 or dof < 1:
         return means, math.nan, math.nan
-    w = torch.where(keep, counts, torch.zeros_like(counts)) / counts[keep].sum()
+    w = counts / counts.sum()
     z_c, m_c = z - w @ z, m - w @ m
     solved = torch.cholesky_solve(z_c.t(), factor).t()
     spread = float((w * (solved * z_c).sum(1)).sum())
