@@ -51,6 +51,8 @@ def score(world, **options) -> dict[str, float]:
     out = {key: frolic_tta.accuracy(rows[key], world.labels) for key in ROWS}
     out["w"] = result.priors.shift_weight
     out["f_d - f_c"] = out["f_d"] - out["f_c"]
+    right = {key: rows[key].argmax(1) == world.labels for key in ("f_c", "f_d")}
+    out["discordant"] = float((right["f_c"] != right["f_d"]).double().mean())  # McNemar's
     out["f_d - max"] = out["f_d"] - max(out["f_c"], out["f_g"], out["f_c - ln beta"])
     return out
 

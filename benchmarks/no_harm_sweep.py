@@ -2,7 +2,8 @@ r"""Is "no harm where the prototypes are the class means" a property of the defa
 ``no_harm.py``'s six worlds? The same family, swept.
 
 Run: ``python benchmarks/no_harm_sweep.py`` (about a minute on 2 cores); prints every fit that
-misses a bound, then one line per (K, d, N), and writes ``benchmarks/results/no_harm_sweep.json``.
+misses a bound, then one line per (K, d, N), and writes ``benchmarks/results/no_harm_sweep.json``
+(``--seeds 20``: about 7 minutes, ``no_harm_sweep_seeds20.json``).
 
 Worlds: :func:`frolic_tta.synthetic.means_world` (the text prototypes *are* the class means)
 at K = 5, 10, 20 (d = 16, 16, 32; the issue's range, K <= 20) with N = 2,000, and beyond it
@@ -12,17 +13,25 @@ counts), sampled from a uniform prior (``natural``), long-tailed x10 and x100 (3
 samples (issue 35, item 1). The columns are ``no_harm.py``'s: the default's f_d against f_c
 (bound: f_c - 0.5 pt) and against max(f_c, f_g, f_c - ln beta-hat) (the same bound).
 ``no_harm.py``'s grid uses N = 4,000 at K = 20; at N = 2,000 the Gaussian head is noisier.
+
+Is a miss harm or chance? Each fit's paired z is :math:`(f_d - f_c) / \sqrt{b / N}` (McNemar:
+b the fraction of samples that exactly one of f_d and f_c gets right), the difference in units
+of its own sampling noise where both classifiers are equally good; and each world (K, test set,
+noise) over its seeds has a mean f_d - f_c with its standard error: a world whose mean is more
+than two standard errors under 0 is harmed systematically, whatever its single seeds do.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import common
+import torch
 from no_harm import score
 
 import frolic_tta
@@ -63,6 +72,7 @@ def main() -> None:
     runs = []
     for spec, world in worlds(args.seeds):
         row = {**spec, **score(world)}
+        row["paired z"] = row["f_d - f_c"] / max(math.sqrt(row["discordant"] / row["n"]), 1e-12)
         runs.append(row)
         if min(row["f_d - f_c"], row["f_d - max"]) < -BOUND - 1e-12:
             print(
@@ -70,7 +80,7 @@ def main() -> None:
                 f"seed {row['seed']}: f_c {row['f_c']:.4f} f_c - ln beta "
                 f"{row['f_c - ln beta']:.4f} f_g {row['f_g']:.4f} f_f {row['f_f']:.4f} f_d "
                 f"{row['f_d']:.4f} (w {row['w']:.2f}): f_d - f_c {100 * row['f_d - f_c']:+.2f}, "
-                f"f_d - max {100 * row['f_d - max']:+.2f} pt",
+                f"f_d - max {100 * row['f_d - max']:+.2f} pt; paired z {row['paired z']:+.2f}",
                 flush=True,
             )
     groups = defaultdict(list)
@@ -96,8 +106,35 @@ def main() -> None:
             f"{100 * line['worst f_d - f_c']:+.2f}, mean {100 * line['mean f_d - f_c']:+.2f} pt "
             f"(f_f {100 * line['mean f_f - f_c']:+.2f}, f_g {100 * line['mean f_g - f_c']:+.2f})"
         )
+    worlds_over_seeds = seed_means(runs)
     payload = {"machine": common.finish_info(info), "summary": summary, "runs": runs}
-    print(f"wrote {common.write_result('no_harm_sweep', payload).relative_to(common.ROOT)}")
+    payload["worlds over seeds"] = worlds_over_seeds
+    name = "no_harm_sweep" if args.seeds == 3 else f"no_harm_sweep_seeds{args.seeds}"
+    print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
+
+
+def seed_means(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world (K, test set, noise): mean f_d - f_c over its seeds and its standard error;
+    prints the worlds whose mean is under 0 and how many are more than two errors under."""
+    groups = defaultdict(list)
+    for row in runs:
+        groups[(row["k"], row["kind"], row["noise"])].append(row["f_d - f_c"])
+    out = []
+    for (k, kind, noise), values in groups.items():
+        v = torch.tensor(values, dtype=torch.float64)
+        error = float(v.std() / math.sqrt(len(values))) if len(values) > 1 else math.nan
+        out.append({"k": k, "kind": kind, "noise": noise, "seeds": len(values),
+                    "mean f_d - f_c": float(v.mean()), "standard error": error})  # fmt: skip
+    under = [w for w in out if w["mean f_d - f_c"] < 0.0]
+    harmed = [w for w in under if w["mean f_d - f_c"] < -2.0 * w["standard error"]]
+    for w in under:
+        print(
+            f"K={w['k']} {w['kind']:15s} noise {w['noise']}: mean f_d - f_c over "
+            f"{w['seeds']} seeds {100 * w['mean f_d - f_c']:+.2f} +- "
+            f"{100 * w['standard error']:.2f} pt"
+        )
+    print(f"{len(out)} worlds: {len(under)} with mean f_d - f_c < 0, {len(harmed)} by > 2 SE")
+    return out
 
 
 if __name__ == "__main__":
