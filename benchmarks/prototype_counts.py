@@ -1,4 +1,4 @@
-r"""The head-means test on soft counts, on effective ones where needed (the library), or on both.
+r"""The head-means test's counts: soft, effective for the lower tail (the library), or both.
 
 Run: ``python benchmarks/prototype_counts.py`` (about 3 minutes on 2 cores; ``--seeds 10``:
 about 10); prints every fit whose f_d differs between the three and one line per K, and writes
@@ -10,8 +10,7 @@ A soft mean is a weighted mean, whose noise is :math:`\hat\Sigma\sum_i q_{ij}^2 
 fitted by the default pipeline on the same features:
 
 * ``soft``: the soft counts :math:`n_j` for both tails (before 2026-11-28, b3b35ae);
-* ``library``: the default, the soft counts' z, or the effective counts' where the soft
-  counts' is under -3.09 (a lower bound there);
+* ``library``: the default, the soft counts' upper tail and the effective counts' lower tail;
 * ``effective``: the effective counts for both tails (the counts patched into
   :func:`~frolic_tta.prototype_means.prototype_statistic`, the ratio :math:`n^{\text{eff}}_j /
   n_j` taken from the library fit's head labels, :math:`f_c/\tau_c` debiased to the test prior

@@ -20,7 +20,7 @@ fitted by weighted least squares in :math:`\hat\Sigma^{-1}` (weights :math:`n_j`
 
 (:math:`K'` classes with samples), all on the data's span (Proposition 2's features end in a
 constant). Where neither tail rejects it at 0.1 % (Wilson-Hilferty's normal approximation of
-:math:`\chi^2_\nu`, :math:`|z| \le 3.09`; on effective counts where needed, below), the head
+:math:`\chi^2_\nu`, :math:`|z| \le 3.09`; the lower tail on effective counts, below), the head
 keeps :math:`\hat\Sigma` and takes the fitted means :math:`\hat c + \hat a z_j` (every class,
 those without samples included): Eq. 9 on the prototypes' directions through
 :math:`\hat\Sigma^{-1}`, the Bayes classifier of a Gaussian world whose means are the prototypes
@@ -39,17 +39,17 @@ prototypes' image took f_d from 0.296 to 0.145), not that the prototypes are rig
 **Which counts.** A soft mean is a weighted mean: its noise is
 :math:`\hat\Sigma\sum_i q_{ij}^2/n_j^2 = \hat\Sigma/n^{\text{eff}}_j`, Kish's effective count
 :math:`n^{\text{eff}}_j = n_j^2/\sum_i q_{ij}^2 \ge n_j` (every :math:`q_{ij} \le 1`). With the
-soft counts :math:`n_j`, :math:`T` is a lower bound of the effective counts' (a minimum over
-:math:`c, a` of a sum with smaller weights): its lower tail rejects where :math:`H_0` holds and
-the labels are soft (on ``benchmarks/no_harm_sweep.py``'s K = 100 means worlds z ran from -21
-to -6, the sample means stayed, and f_d was 0.24-0.37 pt under f_c on average over 20 seeds),
-and its upper tail rejects less often than the level says. So where the soft counts' z is under
--3.09 the effective counts' z decides (:func:`~frolic_tta.soft_sums.posterior_squares`, one
-pass; it is the z reported); elsewhere the soft counts' z does, whose lower tail cannot reject
-there and whose upper tail is conservative. The effective counts everywhere would reject the
-README's world at N = 800 on two seeds of ten (z 19 against 1.9 and 2.6), where the prototypes'
-image beats the sample means of 40 samples per class (f_g 2.4 and 1.8 pt): a calibrated test is
-not the classifier's risk (``benchmarks/prototype_counts.py``).
+soft counts :math:`n_j`, :math:`T` is at most the effective counts' (a minimum over
+:math:`c, a` of a sum with smaller weights), so its upper tail rejects :math:`H_0` less often
+than the level says, and its lower tail rejects where :math:`H_0` holds and the labels are soft:
+on ``benchmarks/no_harm_sweep.py``'s K = 100 means worlds z ran from -21 to -6, the sample
+means stayed, and f_d was 0.24-0.37 pt under f_c on average (20 seeds). So the lower tail reads
+the effective counts (:func:`~frolic_tta.soft_sums.posterior_squares`, one pass, only where the
+soft counts' z is under -3.09; there it is the z reported) and the upper tail the soft counts'
+(still a test at most at its level). The effective counts for both tails reject the README's
+world at N = 800 on two seeds of ten (z 19 against 1.9 and 2.6), where the prototypes' image
+beats the sample means of 40 samples per class (f_g 2.4 and 1.8 pt): a calibrated test is not
+the classifier's risk (``benchmarks/prototype_counts.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ from torch import Tensor
 from frolic_tta.gda import GaussianHead, MomentSums
 
 LEVEL = 3.09
-r"""One-sided 0.1 % point of the standard normal: :math:`H_0` is kept where :math:`|z| \le` it."""
+r"""One-sided 0.1 % point of the standard normal: :math:`H_0` is kept where neither tail's
+:math:`z` passes it (module docstring: the upper on the soft counts, the lower on the effective)."""
 
 
 def prototype_statistic(
@@ -112,8 +113,9 @@ def tested_means(
     squares: Callable[[], Tensor] | None = None,
 ) -> tuple[GaussianHead, float]:
     r"""``head`` with its means replaced by :math:`\hat c + \hat a z_j` where :math:`H_0` is
-    not rejected (:math:`|z| \le` :data:`LEVEL`, :math:`\hat a > 0`), else ``head`` itself;
-    and the statistic z (the effective counts' where computed).
+    not rejected (the soft counts' :math:`z \le` :data:`LEVEL`, the effective counts'
+    :math:`z \ge -`:data:`LEVEL`, :math:`\hat a > 0`), else ``head`` itself; and the statistic
+    z (the effective counts' where computed).
 
     Args:
         head: the fitted :class:`~frolic_tta.gda.GaussianHead` (``covariance="soft"``).
@@ -122,21 +124,22 @@ def tested_means(
         span: ``(d, r)`` the data's span (:func:`frolic_tta.evidence.data_span`) or ``None``.
         squares: returns the head labels' :math:`\sum_i q_{ij}^2` ``(K,)``, reduced
             (:func:`~frolic_tta.soft_sums.posterior_squares`, a pass), called only where the
-            soft counts' z is under -:data:`LEVEL`: Kish's effective counts' z then decides
-            (module docstring); ``None``: the soft counts' z always decides.
+            soft counts' z is under -:data:`LEVEL`: the lower tail then reads Kish's effective
+            counts (module docstring); ``None``: the soft counts' z decides both tails.
     """
     z = prototypes.to(device=head.class_means.device, dtype=torch.float64)
     counts = head.class_weights * float(sums.count)
     fitted, z_value, a = prototype_statistic(
         head.class_means, head.shared_covariance, counts, z, span
     )
-    if squares is not None and z_value < -LEVEL:  # a lower bound: the effective counts decide
+    upper = z_value  # the upper tail reads the soft counts' z, the lower the effective ones'
+    if squares is not None and z_value < -LEVEL:
         total = squares().to(counts)
         counts = torch.where(total > 0.0, counts.square() / total.clamp_min(1e-300), counts)
         fitted, z_value, a = prototype_statistic(
             head.class_means, head.shared_covariance, counts, z, span
         )
-    if not (abs(z_value) <= LEVEL and a > 0.0):
+    if not (upper <= LEVEL and z_value >= -LEVEL and a > 0.0):
         return head, z_value
     factor, info = torch.linalg.cholesky_ex(head.shared_covariance)
     if int(info) != 0:
