@@ -20,43 +20,29 @@ fitted by weighted least squares in :math:`\hat\Sigma^{-1}` (weights :math:`n_j`
 
 (:math:`K'` classes with samples), all on the data's span (Proposition 2's features end in a
 constant). Where neither tail rejects it at 0.1 % (Wilson-Hilferty's normal approximation of
-:math:`\chi^2_\nu`, :math:`|z| \le 3.09`; the lower tail on effective counts, below), the head
-keeps :math:`\hat\Sigma` and takes the fitted means :math:`\hat c + \hat a z_j` (every class,
-those without samples included): Eq. 9 on the prototypes' directions through
-:math:`\hat\Sigma^{-1}`, the Bayes classifier of a Gaussian world whose means are the prototypes
-and whose covariance is not isotropic (``accuracy.py``'s ``paper_world``), where :math:`f_c`
-alone is not. It is the paper's own model (Section 3.1: :math:`\mathcal N(z_j, \Sigma)`,
-:math:`w_j = \hat\Sigma^{-1} z_j`), with the modality gap and a scale, taken only where the
-images do not reject it. Elsewhere the sample means stay. A preliminary test, like the test
-prior's (:mod:`frolic_tta.evidence`): James-Stein's partial shrinkage towards :math:`H_0` cost
-0.4-0.8 pt on the CLIP-like worlds of ``benchmarks/label_shift.py --quick``, where the sample
-means are far better than the prototypes (z 25 and more), because it minimises the squared error
-of the means, not the classifier's. The lower tail rejects too: means closer together than their
-sampling noise say that the soft labels are too blurred for the means to be independent
-estimates (a random encoder's features, ``tests/data/encoder_world.pt``: z = -19.4, where the
-prototypes' image took f_d from 0.296 to 0.145), not that the prototypes are right.
-
-**Which counts.** A soft mean is a weighted mean: its noise is
-:math:`\hat\Sigma\sum_i q_{ij}^2/n_j^2 = \hat\Sigma/n^{\text{eff}}_j`, Kish's effective count
-:math:`n^{\text{eff}}_j = n_j^2/\sum_i q_{ij}^2 \ge n_j` (every :math:`q_{ij} \le 1`). With the
-soft counts :math:`n_j`, :math:`T` is at most the effective counts' (a minimum over
-:math:`c, a` of a sum with smaller weights), so its upper tail rejects :math:`H_0` less often
-than the level says, and its lower tail rejects where :math:`H_0` holds and the labels are soft:
-on ``benchmarks/no_harm_sweep.py``'s K = 100 means worlds z ran from -21 to -6, the sample
-means stayed, and f_d was 0.24-0.37 pt under f_c on average (20 seeds). So the lower tail reads
-the effective counts (:func:`~frolic_tta.soft_sums.posterior_squares`, one pass, only where the
-soft counts' z is under -3.09; there it is the z reported) and the upper tail the soft counts'
-(still a test at most at its level). The effective counts for both tails reject the README's
-world at N = 800 on two seeds of ten (z 19 against 1.9 and 2.6), where the prototypes' image
-beats the sample means of 40 samples per class (f_g 2.4 and 1.8 pt): a calibrated test is not
-the classifier's risk (``benchmarks/prototype_counts.py``).
+:math:`\chi^2_\nu`, :math:`|z| \le 3.09`), the head keeps :math:`\hat\Sigma`
+and takes the fitted means :math:`\hat c + \hat a z_j` (every class, those without samples
+included): Eq. 9 on the prototypes' directions through :math:`\hat\Sigma^{-1}`, the Bayes
+classifier of a Gaussian world whose means are the prototypes and whose covariance is not
+isotropic (``accuracy.py``'s ``paper_world``), where :math:`f_c` alone is not. It is the paper's
+own model (Section 3.1: :math:`\mathcal N(z_j, \Sigma)`, :math:`w_j = \hat\Sigma^{-1} z_j`), with
+the modality gap and a scale, taken only where the images do not reject it. Elsewhere the
+sample means stay. A preliminary test, like the test prior's (:mod:`frolic_tta.evidence`):
+James-Stein's partial shrinkage towards :math:`H_0` cost 0.4-0.8 pt on the CLIP-like worlds of
+``benchmarks/label_shift.py --quick``, where the sample means are far better than the
+prototypes (z 25 and more), because it minimises the squared error of the means, not the
+classifier's. The lower tail rejects too: means closer together than their sampling noise say
+that the soft labels are too blurred for the means to be independent estimates (a random
+encoder's features, ``tests/data/encoder_world.pt``: z = -35.5, where the prototypes' image
+took f_d from 0.296 to 0.145), not that the prototypes are right. :math:`n_j` are the soft
+counts; Kish's effective counts of soft labels are smaller, so the upper tail errs towards
+rejecting :math:`H_0` (towards the sample means).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -64,8 +50,7 @@ from torch import Tensor
 from frolic_tta.gda import GaussianHead, MomentSums
 
 LEVEL = 3.09
-r"""One-sided 0.1 % point of the standard normal: :math:`H_0` is kept where neither tail's
-:math:`z` passes it (module docstring: the upper on the soft counts, the lower on the effective)."""
+r"""One-sided 0.1 % point of the standard normal: :math:`H_0` is kept where :math:`|z| \le` it."""
 
 
 def prototype_statistic(
@@ -106,40 +91,24 @@ def prototype_statistic(
 
 
 def tested_means(
-    head: GaussianHead,
-    prototypes: Tensor,
-    sums: MomentSums,
-    span: Tensor | None,
-    squares: Callable[[], Tensor] | None = None,
+    head: GaussianHead, prototypes: Tensor, sums: MomentSums, span: Tensor | None
 ) -> tuple[GaussianHead, float]:
     r"""``head`` with its means replaced by :math:`\hat c + \hat a z_j` where :math:`H_0` is
-    not rejected (the soft counts' :math:`z \le` :data:`LEVEL`, the effective counts'
-    :math:`z \ge -`:data:`LEVEL`, :math:`\hat a > 0`), else ``head`` itself; and the statistic
-    z (the effective counts' where computed).
+    not rejected (:math:`|z| \le` :data:`LEVEL`, :math:`\hat a > 0`), else ``head`` itself;
+    and the statistic z.
 
     Args:
         head: the fitted :class:`~frolic_tta.gda.GaussianHead` (``covariance="soft"``).
         prototypes: ``(K, d)`` the zero-shot classifier's prototypes.
         sums: the reduced moment sums (for N).
         span: ``(d, r)`` the data's span (:func:`frolic_tta.evidence.data_span`) or ``None``.
-        squares: returns the head labels' :math:`\sum_i q_{ij}^2` ``(K,)``, reduced
-            (:func:`~frolic_tta.soft_sums.posterior_squares`, a pass), called only where the
-            soft counts' z is under -:data:`LEVEL`: the lower tail then reads Kish's effective
-            counts (module docstring); ``None``: the soft counts' z decides both tails.
     """
     z = prototypes.to(device=head.class_means.device, dtype=torch.float64)
     counts = head.class_weights * float(sums.count)
     fitted, z_value, a = prototype_statistic(
         head.class_means, head.shared_covariance, counts, z, span
     )
-    upper = z_value  # the upper tail reads the soft counts' z, the lower the effective ones'
-    if squares is not None and z_value < -LEVEL:
-        total = squares().to(counts)
-        counts = torch.where(total > 0.0, counts.square() / total.clamp_min(1e-300), counts)
-        fitted, z_value, a = prototype_statistic(
-            head.class_means, head.shared_covariance, counts, z, span
-        )
-    if not (upper <= LEVEL and z_value >= -LEVEL and a > 0.0):
+    if not (abs(z_value) <= LEVEL and a > 0.0):
         return head, z_value
     factor, info = torch.linalg.cholesky_ex(head.shared_covariance)
     if int(info) != 0:

@@ -13,14 +13,10 @@ import torch
 
 import frolic_tta
 from frolic_tta import prototype_means
-from frolic_tta.evidence import data_span
 from frolic_tta.gda import fit_gaussian_head, moment_sums
-from frolic_tta.logits import TensorLogits, identity_reduce
 from frolic_tta.options import HEAD_MEANS
 from frolic_tta.prototype_means import LEVEL, prototype_statistic
-from frolic_tta.soft_sums import posterior_squares
 from frolic_tta.synthetic import means_world, paper_world
-from tests.sharding import run_sharded
 
 K, D = 20, 16
 
@@ -127,85 +123,6 @@ def test_the_kept_logits_equal_the_streamed_ones_where_the_head_moves():
     assert streamed.head.tau_g == pytest.approx(kept.head.tau_g, rel=1e-6)
     scores = streamed.head.score(world.features)
     assert torch.equal(scores.argmax(1), kept.logits.argmax(1))
-
-
-def test_larger_counts_only_raise_the_statistic():
-    # Kish's effective counts n_j^2 / sum_i q_ij^2 are at least the soft counts n_j, and T is
-    # the minimum over (c, a) of a sum weighted by them: so the effective counts' z is at least
-    # the soft counts' z, and an upper-tail rejection on the soft counts stands
-    for seed in range(20):
-        means, sigma, counts, z, _ = draw_means(seed)
-        g = torch.Generator().manual_seed(seed)
-        larger = counts * (1.0 + 3.0 * torch.rand(K, generator=g, dtype=torch.float64))
-        raised = prototype_statistic(means, sigma, larger, z, None)[1]
-        assert raised >= prototype_statistic(means, sigma, counts, z, None)[1]
-
-
-def test_the_squared_posterior_sums_agree_with_float64_and_add_over_shards():
-    g = torch.Generator().manual_seed(0)
-    logits = 3.0 * torch.randn(301, 7, generator=g)
-    offset = torch.randn(7, generator=g, dtype=torch.float64)
-    for shift in (offset, None):
-        reference = torch.softmax(logits.double() + (0.0 if shift is None else shift), dim=1)
-        whole = posterior_squares(TensorLogits(logits, 50), shift, identity_reduce)
-        torch.testing.assert_close(whole, reference.square().sum(0), rtol=1e-6, atol=0.0)
-        parts = [TensorLogits(part, 50) for part in (logits[:100], logits[100:])]
-        joined = sum(posterior_squares(part, shift, identity_reduce) for part in parts)
-        torch.testing.assert_close(joined, whole, rtol=1e-12, atol=0.0)
-
-
-def test_the_squares_are_summed_only_for_the_lower_tail():
-    world = means_world(2000, K, D, 0.6, seed=0)
-    x, z = world.features.double(), world.prototypes.double()
-    sums = moment_sums(x, z, 0.01)
-    head = fit_gaussian_head(sums, z)
-
-    def unused() -> torch.Tensor:
-        raise AssertionError("a pass the soft counts' z did not ask for")
-
-    tested, z_value = prototype_means.tested_means(head, z, sums, None, unused)
-    assert abs(z_value) <= LEVEL and tested is not head
-
-
-def test_a_many_class_means_world_is_read_on_its_effective_counts():
-    # no_harm_sweep.py --seeds 20, K = 100, d = 128, N = 10,000, balanced, noise 0.3, seed 17:
-    # f_d 0.7600, 0.73 pt under f_c 0.7673 (paired z -4.1; K = 100 balanced was 0.34 pt under
-    # f_c averaged over 20 seeds): the soft counts' z rejected H_0 by the lower tail and the
-    # sample means' head stayed (f_g 0.7505). On the effective counts z is 2.0: not rejected
-    world = means_world(10000, 100, 128, 0.3, seed=17)
-    x, z, labels = world.features, world.prototypes, world.labels
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        sample = frolic_tta.frolic(x, z, head_means="sample")
-        tested = frolic_tta.frolic(x, z)
-    head, span = sample.head.gaussian, data_span(sample.sums)
-    counts = head.class_weights * float(sample.sums.count)
-    means, sigma = head.class_means, head.shared_covariance
-    assert prototype_statistic(means, sigma, counts, z.double(), span)[1] < -LEVEL
-    assert abs(tested.priors.prototype_z) <= LEVEL
-    f_c = frolic_tta.accuracy(x @ z.t(), labels)
-    before, after = (frolic_tta.accuracy(f.logits, labels) for f in (sample, tested))
-    assert before < f_c - 0.005 <= after
-
-
-def test_the_effective_counts_pass_agrees_on_any_number_of_shards():
-    # no_harm_sweep.py's K = 50 balanced world, noise 0.45, seed 0: the soft counts' z -3.2, so
-    # the squares' pass runs; every shard sums its rows and takes the same decision
-    world = means_world(2000, 50, 64, 0.45, seed=0)
-    whole = frolic_tta.fit_frolic(world.features, world.prototypes)
-    index = [torch.arange(r, 2000, 2) for r in range(2)]
-    fits = run_sharded(
-        lambda i, reduce: frolic_tta.fit_frolic(
-            world.features[i], world.prototypes, reduce_fn=reduce
-        ),
-        index,
-    )
-    assert abs(whole.priors.prototype_z) <= LEVEL
-    joined = torch.empty_like(whole.logits)
-    for i, shard in zip(index, fits, strict=True):
-        assert shard.priors.prototype_z == pytest.approx(whole.priors.prototype_z, rel=1e-9)
-        joined[i] = shard.logits
-    assert torch.equal(joined.argmax(1), whole.logits.argmax(1))
 
 
 def test_a_head_means_option_that_is_not_one_of_them_says_which_are():
