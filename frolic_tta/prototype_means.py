@@ -35,8 +35,13 @@ classifier's. The lower tail rejects too: means closer together than their sampl
 that the soft labels are too blurred for the means to be independent estimates (a random
 encoder's features, ``tests/data/encoder_world.pt``: z = -35.5, where the prototypes' image
 took f_d from 0.296 to 0.145), not that the prototypes are right. :math:`n_j` are the soft
-counts; Kish's effective counts of soft labels are smaller, so the upper tail errs towards
-rejecting :math:`H_0` (towards the sample means).
+counts. A soft mean is a weighted mean, whose noise is :math:`\hat\Sigma/n^{\text{eff}}_j` with
+Kish's effective count :math:`n^{\text{eff}}_j = n_j^2/\sum_i q_{ij}^2 \ge n_j`: so :math:`T` is
+too small where the labels are soft, and the lower tail errs towards rejecting :math:`H_0`
+(towards the sample means). Reading the lower tail on the effective counts is issue 35's open
+lead: on a random-weight encoder it accepts :math:`H_0` with :math:`\hat a` near 0, a head that
+bf16 features then move (``tests/test_module.py``'s bf16 run), so it needs :math:`\hat a`
+tested too.
 """
 
 from __future__ import annotations
