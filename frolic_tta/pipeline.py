@@ -52,7 +52,7 @@ from frolic_tta.precision import ieee_float32
 from frolic_tta.prior import HEAD_LABELS_EPS, Priors, fit_test_prior
 from frolic_tta.prototype_means import tested_means
 from frolic_tta.released import released_proxies
-from frolic_tta.soft_sums import posterior_sums, refitted_sums
+from frolic_tta.soft_sums import posterior_squares, posterior_sums, refitted_sums
 from frolic_tta.validation import (
     check_matrix,
     check_prototypes,
@@ -264,11 +264,14 @@ def fit_frolic(
                 init=head_bias.beta,
                 name=ZERO_SHOT_BETA,
             )
+    raw = gaussian is None or head_bias is None or (evidence is not None and evidence <= 0.0)
     if gaussian is None:  # the raw zero-shot posterior's head (or no mixture could be fitted)
         gaussian = fit_gaussian_head(sums, prototypes, options.covariance, options.shrinkage)
     filled = estimate is not None and estimate.head is not None  # f_g is in `buffer`
     if options.head_means == "tested" and debias_head:  # debias_head: covariance="soft"
-        tested, means_z = tested_means(gaussian, prototypes, sums, data_span(sums))
+        labels = None if raw else head_bias.log_offset  # the head's labels on f_c / tau_c
+        squares = partial(posterior_squares, zero_shot, labels, reduce_fn)
+        tested, means_z = tested_means(gaussian, prototypes, sums, data_span(sums), squares)
         filled, gaussian = filled and tested is gaussian, tested  # on the prototypes: refill
     if options.zero_shot == "inmap_both":  # the released script: proxies for f_c and f_g
         kwargs = {"reduce_fn": reduce_fn, "chunk_size": chunk_size, "options": options}
@@ -346,10 +349,8 @@ def fit_frolic(
         zero_shot_bias = match(
             zero_shot, method=options.bias, target=test_prior, bound=box, name=ZERO_SHOT_BETA
         )
-    head = FrolicHead(
-        z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta, weight,
-        zero_shot_weight,
-    )  # fmt: skip
+    head = FrolicHead(z, gaussian, tau_c, tau_g, bias.beta, test_prior, zero_shot_bias.beta,
+                      weight, zero_shot_weight)  # fmt: skip
     if buffer is not None:  # f_f -> f_d
         buffer.add_(head.log_offset().to(buffer))
     priors = Priors(

@@ -334,8 +334,9 @@ class Priors:
             :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`; an upper bound where the pooled
             fusion's evidence lower bound decided), ``None`` where not compared.
         prototype_z: the statistic of the head's means against the prototypes
-            (:mod:`frolic_tta.prototype_means`; |z| <= 3.09: the head takes the prototypes'
-            directions), ``None`` where not tested.
+            (:mod:`frolic_tta.prototype_means`; on the effective counts where the soft
+            counts' is under -3.09; |z| <= 3.09 and a-hat significant: the head takes the
+            prototypes' directions), ``None`` where not tested.
     """
 
     test_prior: Tensor

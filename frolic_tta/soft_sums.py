@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from frolic_tta.gda import MomentSums
-from frolic_tta.logits import EXACT_PRODUCTS, LogitSource, exact_arithmetic, workspace
+from frolic_tta.logits import EXACT_PRODUCTS, LogitSource, ReduceFn, exact_arithmetic, workspace
 from frolic_tta.sweeps import Exponentials, scaled_exponentials, unnormalised
 
 EXACT_SOFT_SUMS = EXACT_PRODUCTS
@@ -112,3 +112,19 @@ def refitted_sums(sums: MomentSums, packed: Tensor) -> MomentSums:
     k = sums.soft_count.shape[0]
     packed = packed.to(sums.soft_count.device)  # the sums' device (the head is solved there)
     return replace(sums, soft_count=packed[:k], soft_sum=packed[k:].reshape(k, -1))
+
+
+def posterior_squares(
+    source: LogitSource, log_offset: Tensor | None, reduce_fn: ReduceFn
+) -> Tensor:
+    r"""``(K,)`` :math:`\sum_i q_{ij}^2` over all shards (float64, one pass) for the posterior
+    :math:`q_i = \mathrm{softmax}(f(x_i) + \text{offset})` of the logits ``source``
+    (``log_offset`` ``None``: 0): with :math:`n_j = \sum_i q_{ij}`, Kish's effective count
+    :math:`n_j^2 / \sum_i q_{ij}^2` of a soft mean (:mod:`frolic_tta.prototype_means`)."""
+    shift = torch.zeros(source.num_classes, dtype=torch.float64)
+    total: Tensor | None = None
+    for posterior, _ in unnormalised(source, shift if log_offset is None else log_offset, None):
+        posterior.div_(posterior.sum(dim=1, keepdim=True))
+        rows = posterior.square_().sum(0, dtype=torch.float64)
+        total = rows if total is None else total + rows
+    return reduce_fn(torch.zeros_like(shift) if total is None else total.cpu())
