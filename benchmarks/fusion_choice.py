@@ -23,6 +23,7 @@ refitted under its debiased labels is more likely than the pooled one's by more 
   and top-1 (could the same likelihood keep :math:`f_c` where the head is worse?).
 
 Worlds: ``no_harm.py``'s (prototypes are the class means, 18 fits; the README's example, 3),
+the README's example at N = 800 (40 samples per class, 3),
 the CLIP-like label-shift worlds of ``label_shift.py --quick`` (N = 5,000, K = 50, d = 128)
 and the digits model of ``peers.py --quick``. It measures whether a likelihood can tell where
 the head alone is the better classifier: a rule is as good as the worlds it separates.
@@ -42,6 +43,7 @@ from label_shift import build, world_specs
 
 import frolic_tta
 from frolic_tta.evidence import data_span
+from frolic_tta.synthetic import clip_world
 
 CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "clip natural")
 Case = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
@@ -51,6 +53,9 @@ def worlds(seeds: int) -> Iterator[Case]:
     """``(name, seed, features, prototypes, labels, tau_c)`` of every world."""
     for name, seed, world in no_harm.worlds(seeds):
         yield name, seed, world.features, world.prototypes, world.labels, 0.01
+    for seed in range(seeds):  # 40 samples per class: the head alone 5-7 pt above f_d
+        world = clip_world(num_samples=800, seed=seed)
+        yield "README clip_world N=800", seed, world.features, world.prototypes, world.labels, 0.01
     specs = world_specs(True)
     for name in CLIP_WORLDS:
         for seed in range(seeds):
