@@ -124,12 +124,15 @@ def digits_runs(quick: bool, device: str) -> dict[str, Any]:
             **summarise(runs)}  # fmt: skip
 
 
-def run_description(quick: bool, seeds: int) -> dict[str, Any]:
-    """What the run covered, for the table's heading."""
+def run_description(quick: bool, seeds: int, only: list[str] | None = None) -> dict[str, Any]:
+    """What the run covered, for the table's heading (``only``: the ``--only`` worlds)."""
     from digits_clip import DEFAULT_STEPS, QUICK_STEPS
 
+    command = "python benchmarks/peers.py" + (" --quick" if quick else "")
+    if only:
+        command += " --only " + " ".join(f'"{name}"' for name in only)
     return {
-        "command": "python benchmarks/peers.py" + (" --quick" if quick else ""),
+        "command": command,
         "clip": "N = 5,000" if quick else "N = 20,000",
         "seeds": 1 if quick else seeds,
         "digits seeds": 1 if quick else 4,
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": common.finish_info(info),
         "methods": METHODS,
         "stop": STOP,
-        "run": run_description(args.quick, args.seeds),
+        "run": run_description(args.quick, args.seeds, args.only),
         "worlds": results,
     }
     from report_peers import peers_section

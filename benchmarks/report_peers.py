@@ -39,7 +39,20 @@ def _run_line(p: dict[str, Any]) -> str:
         "100, natural = i.i.d. labels) and the digits model of `benchmarks/digits_clip.py` "
         f"(N = 300 held-out digits, K = 10, {run['digits steps']} pre-training steps, "
         f"{run['digits seeds']} seed{'s' if run['digits seeds'] > 1 else ''})."
+        + _parts_line(run.get("parts"))
     )
+
+
+def _parts_line(parts: list[dict[str, Any]] | None) -> str:
+    """Where the JSON joins runs of the same command's worlds (``--only``), when each ran."""
+    if not parts:
+        return ""
+    text = "; ".join(
+        f"{', '.join(part['worlds'])} at {part['date']}"
+        + (f" ({part['why']})" if part.get("why") else "")
+        for part in parts
+    )
+    return f" Its worlds ran in {len(parts)} parts on this machine and commit: {text}."
 
 
 def _stop_line(p: dict[str, Any]) -> str:
