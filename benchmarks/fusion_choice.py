@@ -25,7 +25,9 @@ refitted under its debiased labels is more likely than the pooled one's by more 
 Worlds: ``no_harm.py``'s (prototypes are the class means, 18 fits; the README's example, 3),
 the README's example at N = 800 (40 samples per class, 3),
 the CLIP-like label-shift worlds of ``label_shift.py --quick`` (N = 5,000, K = 50, d = 128)
-and the digits model of ``peers.py --quick``. It measures whether a likelihood can tell where
+and the digits model of ``peers.py --quick``. ``--clip-full``: only the CLIP-like worlds, at
+``peers.py``'s full size (N = 20,000, the 30 % world too, 3 seeds; about 2 minutes), written to
+``fusion_choice_clip_full.json``. It measures whether a likelihood can tell where
 the head alone is the better classifier: a rule is as good as the worlds it separates.
 """
 
@@ -49,6 +51,16 @@ CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "
 Case = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
 
 
+def clip_worlds(seeds: int, full: bool) -> Iterator[Case]:
+    """The CLIP-like label-shift worlds (``full``: N = 20,000 and the 30 % world)."""
+    specs = world_specs(not full)
+    n = specs["clip balanced"]["n"]
+    for name in (*CLIP_WORLDS, "clip 30% of classes") if full else CLIP_WORLDS:
+        for seed in range(seeds):
+            world, x, z, tau_c = build(specs[name], seed)
+            yield f"{name} N={n}", seed, x, z, world.labels, tau_c
+
+
 def worlds(seeds: int) -> Iterator[Case]:
     """``(name, seed, features, prototypes, labels, tau_c)`` of every world."""
     for name, seed, world in no_harm.worlds(seeds):
@@ -56,11 +68,7 @@ def worlds(seeds: int) -> Iterator[Case]:
     for seed in range(seeds):  # 40 samples per class: the head alone 5-7 pt above f_d
         world = clip_world(num_samples=800, seed=seed)
         yield "README clip_world N=800", seed, world.features, world.prototypes, world.labels, 0.01
-    specs = world_specs(True)
-    for name in CLIP_WORLDS:
-        for seed in range(seeds):
-            world, x, z, tau_c = build(specs[name], seed)
-            yield f"{name} N=5000", seed, x, z, world.labels, tau_c
+    yield from clip_worlds(seeds, full=False)
     from digits_clip import QUICK_STEPS, encode, pretrain
 
     digits = pretrain(0, 20.0, QUICK_STEPS)
@@ -147,10 +155,13 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed")
+    parser.add_argument("--clip-full", action="store_true", help="CLIP-like worlds, N = 20,000")
     args = parser.parse_args()
     info = common.machine_info()
     runs = []
-    for name, seed, x, z, labels, tau_c in worlds(1 if args.quick else 3):
+    seeds = 1 if args.quick else 3
+    cases = clip_worlds(seeds, full=True) if args.clip_full else worlds(seeds)
+    for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
         kept = "head alone" if row["head alone chosen"] else "pooled"
@@ -167,7 +178,8 @@ def main() -> None:
             flush=True,
         )
     payload = {"machine": common.finish_info(info), "runs": runs}
-    print(f"wrote {common.write_result('fusion_choice', payload).relative_to(common.ROOT)}")
+    name = "fusion_choice_clip_full" if args.clip_full else "fusion_choice"
+    print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
 
 
 if __name__ == "__main__":
