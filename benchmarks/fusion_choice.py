@@ -26,8 +26,16 @@ Worlds: ``no_harm.py``'s (prototypes are the class means, 18 fits; the README's 
 the README's example at N = 800 (40 samples per class, 3),
 the CLIP-like label-shift worlds of ``label_shift.py --quick`` (N = 5,000, K = 50, d = 128)
 and the digits model of ``peers.py --quick``. ``--clip-full``: only the CLIP-like worlds, at
-``peers.py``'s full size (N = 20,000, the 30 % world too, 3 seeds; about 2 minutes), written to
-``fusion_choice_clip_full.json``. It measures whether a likelihood can tell where
+``peers.py``'s full size (N = 20,000, the 30 % world too, 3 seeds) and ``label_shift.py``'s two
+ImageNet-size worlds (N = 50,000, K = 1,000, d = 512, 1 seed; about 5 minutes), written to
+``fusion_choice_clip_full.json``. ``--sweep``: only ``no_harm_sweep.py``'s means worlds (3 seeds,
+every K; about 8 minutes), ``fusion_choice_sweep.json``.
+
+A candidate rule it scores (``monotone``, not the library's): the head alone where the held-out
+likelihood rises significantly from :math:`f_c/\tau_c` alone to the pooled labels and from them
+to the head alone's (Z of the head alone over the pooled above 3.09 and Z of the zero-shot
+labels over the pooled under -3.09, one-sided 0.1 % each); the last line sums what it would
+change against the default's :math:`f_d`. It measures whether a likelihood can tell where
 the head alone is the better classifier: a rule is as good as the worlds it separates.
 """
 
@@ -45,6 +53,7 @@ from label_shift import build, world_specs
 
 import frolic_tta
 from frolic_tta.evidence import data_span
+from frolic_tta.prototype_means import LEVEL
 from frolic_tta.synthetic import clip_world
 
 CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "clip natural")
@@ -52,13 +61,23 @@ Case = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
 
 
 def clip_worlds(seeds: int, full: bool) -> Iterator[Case]:
-    """The CLIP-like label-shift worlds (``full``: N = 20,000 and the 30 % world)."""
+    """The CLIP-like label-shift worlds (``full``: N = 20,000, the 30 % world and the two
+    ImageNet-size ones, 1 seed each)."""
     specs = world_specs(not full)
-    n = specs["clip balanced"]["n"]
-    for name in (*CLIP_WORLDS, "clip 30% of classes") if full else CLIP_WORLDS:
-        for seed in range(seeds):
+    extra = ("clip 30% of classes", "imagenet balanced", "imagenet long-tailed 10")
+    for name in (*CLIP_WORLDS, *extra) if full else CLIP_WORLDS:
+        for seed in range(specs[name].get("seeds", seeds)):
             world, x, z, tau_c = build(specs[name], seed)
-            yield f"{name} N={n}", seed, x, z, world.labels, tau_c
+            yield f"{name} N={specs[name]['n']}", seed, x, z, world.labels, tau_c
+
+
+def sweep_worlds(seeds: int) -> Iterator[Case]:
+    """``no_harm_sweep.py``'s means worlds (every K)."""
+    from no_harm_sweep import worlds as swept
+
+    for spec, world in swept(seeds):
+        name = f"means K={spec['k']} d={spec['d']} N={spec['n']} {spec['kind']} {spec['noise']}"
+        yield name, spec["seed"], world.features, world.prototypes, world.labels, 0.01
 
 
 def worlds(seeds: int) -> Iterator[Case]:
@@ -133,6 +152,7 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
     diff = per["head alone"] - per["pooled"]
     other = per["zero-shot alone"] - per["pooled"]
     whole = [torch.arange(x64.shape[0])]  # in sample: this script's math against the fit's gap
+    rows = result.ablations(labels)
     own = {key: held_out(x64, s.softmax(1), prior, span, whole) for key, s in scores.items()}
     return {
         "head alone chosen": head.zero_shot_weight == 0.0,
@@ -149,18 +169,47 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
         "pooled": frolic_tta.accuracy(scores["pooled"], labels),
         "head alone": frolic_tta.accuracy(scores["head alone"], labels),
         "zero-shot alone": frolic_tta.accuracy(scores["zero-shot alone"], labels),
+        **{key: frolic_tta.accuracy(rows[key], labels) for key in ("f_g", "f_c - ln beta")},
     }
+
+
+def monotone(row: dict) -> bool:
+    """The candidate rule (module docstring): the held-out likelihood rises from f_c to the
+    pooled labels to the head alone's, each step beyond the 0.1 % level."""
+    return row["held-out Z"] > LEVEL and row["zero-shot held-out Z"] < -LEVEL
+
+
+def summary(runs: list[dict]) -> str:
+    """What the candidate rule changes: fits switched, f_d's change, misses of the bounds."""
+    new = [r["head alone"] if monotone(r) else r["f_d"] for r in runs]
+    change = [100 * (a - r["f_d"]) for a, r in zip(new, runs, strict=True)]
+
+    def misses(values: list[float]) -> str:
+        under_c = sum(v < r["f_c"] - 0.005 - 1e-9 for v, r in zip(values, runs, strict=True))
+        top = [max(r["f_c"], r["f_g"], r["f_c - ln beta"]) for r in runs]
+        under = sum(v < t - 0.005 - 1e-9 for v, t in zip(values, top, strict=True))
+        return f"{under_c} under f_c - 0.5 pt, {under} under max(f_c, f_g, f_c - ln beta) - 0.5 pt"
+
+    switched = sum(monotone(r) and not r["head alone chosen"] for r in runs)
+    return (
+        f"monotone rule: {switched} of {len(runs)} fits switch to the head alone; f_d change mean "
+        f"{sum(change) / len(change):+.3f} pt, worst {min(change):+.2f}, best {max(change):+.2f}; "
+        f"default {misses([r['f_d'] for r in runs])}; rule {misses(new)}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed")
     parser.add_argument("--clip-full", action="store_true", help="CLIP-like worlds, N = 20,000")
+    parser.add_argument("--sweep", action="store_true", help="no_harm_sweep.py's means worlds")
     args = parser.parse_args()
     info = common.machine_info()
     runs = []
     seeds = 1 if args.quick else 3
     cases = clip_worlds(seeds, full=True) if args.clip_full else worlds(seeds)
+    if args.sweep:
+        cases = sweep_worlds(seeds)
     for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
@@ -174,11 +223,14 @@ def main() -> None:
             f" pt) | zero-shot alone: gap {row['zero-shot gap here']:7.1f}, held-out "
             f"{row['zero-shot held-out gap']:7.1f} Z {row['zero-shot held-out Z']:5.1f}, "
             f"{row['zero-shot alone']:.4f} "
-            f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)",
+            f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)"
+            + (" | monotone: head alone" if monotone(row) else ""),
             flush=True,
         )
+    print(summary(runs))
     payload = {"machine": common.finish_info(info), "runs": runs}
     name = "fusion_choice_clip_full" if args.clip_full else "fusion_choice"
+    name = "fusion_choice_sweep" if args.sweep else name
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
 
 
