@@ -35,6 +35,7 @@ from pathlib import Path
 import common
 import no_harm_sweep
 import torch
+from prototype_test import head_labels
 
 import frolic_tta
 from frolic_tta import pipeline, prototype_means
@@ -43,14 +44,6 @@ from frolic_tta.synthetic import clip_world
 LIBRARY = prototype_means.prototype_statistic
 TESTED = pipeline.tested_means
 READINGS = ("soft", "library", "effective")
-
-
-def head_labels(result) -> torch.Tensor:
-    """The default's head labels q ``(N, K)``, as ``prototype_test.py`` rebuilds them."""
-    scores = result.zero_shot_logits.double() / result.head.tau_c
-    if result.priors.label_bias_evidence > 0:
-        scores = scores - result.head.zero_shot_beta.double().log() + result.priors.test_prior.log()
-    return scores.softmax(1)
 
 
 def fits(x, z, **kwargs) -> dict:

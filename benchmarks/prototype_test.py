@@ -59,6 +59,15 @@ CRITICAL = 3.09  # one-sided 0.1 %
 PRETEST = 2.0  # Akaike: Lambda_M > 2 (K - 1)
 
 
+def head_labels(result) -> torch.Tensor:
+    """The default's head labels q ``(N, K)`` rebuilt from its fit: the zero-shot posterior,
+    debiased where the label-bias test removed the bias (the corrected reading)."""
+    scores = result.zero_shot_logits.double() / result.head.tau_c
+    if result.priors.label_bias_evidence > 0:
+        scores = scores - result.head.zero_shot_beta.double().log() + result.priors.test_prior.log()
+    return scores.softmax(1)
+
+
 def prototype_z(result, directions: bool = False) -> float:
     r"""The statistic :math:`z` of the module docstring, from the default's fit."""
     head = result.head
@@ -69,10 +78,7 @@ def prototype_z(result, directions: bool = False) -> float:
         means, z, sigma = means @ span, z @ span, span.t() @ sigma @ span
     if directions:  # the hypothesis that the head's LDA directions are the prototypes
         z = z @ sigma
-    scores = result.zero_shot_logits.double() / head.tau_c
-    if result.priors.label_bias_evidence > 0:  # the corrected reading: the debiased labels
-        scores = scores - head.zero_shot_beta.double().log() + result.priors.test_prior.log()
-    q = scores.softmax(1)
+    q = head_labels(result)
     counts = q.sum(0)
     keep = counts > 1e-9
     effective = counts**2 / (q**2).sum(0).clamp_min(1e-300)
