@@ -23,13 +23,11 @@ Both readings are models of the *images*, the same Gaussian mixture family
   :math:`\Lambda_M = 2(\ell_M(\hat\pi_M) - \ell_M(\mathbf 1/K)) > c(K - 1)` (``shift_evidence``
   :math:`c`, the zero point of the corrected reading's James-Stein rule, :mod:`frolic_tta.prior`),
   else uniform: a preliminary test, not a shrinkage. Where the raw labels' components hardly
-  tell the classes apart, :math:`\hat\pi_M` is noise: on ``benchmarks/ddp.py``'s random-weight
-  encoder (:math:`\Lambda_M` = 1.2 against 4.5) it put 0 on 4 classes of 10 and :math:`f_d`
-  fell to 0.092 under :math:`f_c` 0.102 (0.296 with uniform weights). Shrunk partway (the
-  James-Stein rule itself), :math:`f_d` fell 0.65 pt under :math:`f_c` on a means world at
-  zero-shot 0.33 (``benchmarks/no_harm.py``), whose :math:`\Lambda_M` of 13 the test keeps;
-  shrunk towards :math:`m_c`, the zero-shot model's blur of the test prior rather than a "no
-  shift" hypothesis, 0.6 pt.
+  tell the classes apart, :math:`\hat\pi_M` is noise (``benchmarks/ddp.py``'s random-weight
+  encoder, :math:`\Lambda_M` = 1.2 against 4.5: 0 on 4 classes of 10, :math:`f_d` 0.092 under
+  :math:`f_c` 0.102, 0.296 with uniform weights). Shrunk partway (the James-Stein rule itself),
+  :math:`f_d` fell 0.65 pt under :math:`f_c` on a means world at zero-shot 0.33
+  (``benchmarks/no_harm.py``; towards :math:`m_c`, 0.6 pt).
 
 The corrected model estimates :math:`K - 1` more parameters (the label bias), so it is chosen
 where its log-likelihood is higher by more than that (Akaike's criterion):
@@ -46,12 +44,11 @@ weights are solved (from :math:`m_c`) only until that is certain: :math:`\ell_M(
 \le \ell_M(\pi) + g(\pi)` at any :math:`\pi` (:func:`~frolic_tta.mixture_newton.headroom`
 :math:`g`), so the solve stops once :math:`\ell_M(\pi) + g(\pi) \le \ell_U - (K - 1)`. Its
 first two passes (:math:`m_c`, one EM step on: at ImageNet size they decide) are products by
-chunks; only then are M's components put into the scratch buffer where there is one, and the
-head's logits back after the solve. Where :math:`\ell_M(\pi)` passes that mark, U at
-:math:`\tilde\pi_U` has lost and U at its own maximum-likelihood weights (``refit``) is
-certain to be needed: it runs then, and :math:`\ell_U` is the larger of the two in the solve's
-stop test from there on. U's likelihood reads the head's logits from that buffer before
-(:func:`head_terms`) where the features span :math:`\mathbb R^d`, else takes a product.
+chunks; then M's components go into the scratch buffer where there is one. Where
+:math:`\ell_M(\pi)` passes that mark, U at its own maximum-likelihood weights (``refit``) runs,
+and :math:`\ell_U` is the larger of the two in the solve's stop test from there on. U's
+likelihood reads the head's logits (:func:`head_terms`) where the features span
+:math:`\mathbb R^d`, else takes a product.
 
 **The two densities** (:func:`mixture_model`) are built from each head's means and label
 masses, with the within-class covariance
@@ -61,12 +58,9 @@ subspace (a constant coordinate, N < d), :math:`T`'s null space is every model's
 shrinkage or ridge there would be compared instead of the labels (Proposition 2's world, whose
 features end in a constant 1, put 580 nats between two heads that way). On that span each
 :math:`S` is shrunk only where it is rank-deficient (OAS, as ``shrinkage="auto"``).
-Every quantity is a reduced sum, so every shard takes the same decision. The per-sample
-Gaussian terms come from the moment sums: with :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`,
-:math:`\ln\mathcal N(x_i;\mu_j,\Sigma) = g_{ij} - \frac12(x_i-\hat\mu)^\top\Sigma^{-1}(x_i-\hat\mu)
-- \frac12\ln|\Sigma| - \frac r2\ln 2\pi` with :math:`g_{ij} = w_j^\top(x_i - \hat\mu) + b_j`,
-so :math:`\ell = \sum_i \ln\sum_j \pi_j e^{g_{ij}} - \frac12\operatorname{tr}(\Sigma^{-1}C)
-- \frac N2\ln|\Sigma| + \text{const}`.
+Every quantity is a reduced sum, so every shard takes the same decision; :math:`\ell =
+\sum_i \ln\sum_j \pi_j e^{g_{ij}} - \frac12\operatorname{tr}(\Sigma^{-1}C) - \frac N2\ln|\Sigma|`
++ const, with :math:`g_{ij} = w_j^\top(x_i - \hat\mu) + b_j` and :math:`C` the scatter.
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -149,6 +143,19 @@ def mixture_model(
     :math:`w_j^\top(x - \hat\mu) + b_j` and ``terms`` :math:`-\frac12\operatorname{tr}
     (\Sigma^{-1}C) - \frac N2\ln|\Sigma|` (float64; :math:`\frac{Nr}2\ln 2\pi` left out,
     the same for every model)."""
+    centred, factor, scatter = within_factor(means, weights, sums, span)
+    weight = torch.cholesky_solve(centred.t(), factor).t()  # (K, r)
+    bias = -0.5 * (centred * weight).sum(1)
+    weight = weight if span is None else weight @ span.t()
+    mean = sums.feature_sum / float(sums.count)
+    return AffineMap(weight, bias, mean), _terms(factor, scatter, float(sums.count))
+
+
+def within_factor(
+    means: Tensor, weights: Tensor, sums: MomentSums, span: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(centred means (K, r), Cholesky factor (r, r), scatter C (r, r))`` on ``span`` of
+    :func:`mixture_model`'s within-class covariance (shrunk where rank-deficient)."""
     count, mean, scatter = _scatter(sums)
     centred = means - mean  # (K, d)
     within = scatter / count - (centred * weights[:, None]).t() @ centred
@@ -162,34 +169,26 @@ def mixture_model(
     factor, info = torch.linalg.cholesky_ex(within)
     if int(info) != 0:
         _, factor, _ = ridge_factor(within)
-    weight = torch.cholesky_solve(centred.t(), factor).t()  # (K, r)
-    bias = -0.5 * (centred * weight).sum(1)
-    weight = weight if span is None else weight @ span.t()
-    return AffineMap(weight, bias, mean), _terms(factor, scatter, count)
+    return centred, factor, scatter
 
 
 def head_terms(head: GaussianHead, sums: MomentSums) -> float:
-    r"""``terms`` of :func:`mixture_model` for the mixture of ``head`` itself, on all of
-    :math:`\mathbb R^d`: its means and its :math:`\hat\Sigma`. ``head.gda()``'s logits are
-    that mixture's centred component logits, so a buffer holding them is read instead of
-    recomputed (the same model as :func:`mixture_model` of its means and masses where the
-    features span :math:`\mathbb R^d` and :math:`\hat\Sigma` is the within-class scatter,
-    to the rounding of its uncentred sums)."""
+    r"""``terms`` of :func:`mixture_model` for the mixture of ``head`` itself (its means and
+    :math:`\hat\Sigma`, on all of :math:`\mathbb R^d`), whose centred component logits are
+    ``head.gda()``'s: a buffer holding them is read instead of recomputed."""
     count, _, scatter = _scatter(sums)
     return _terms(torch.linalg.cholesky(head.shared_covariance), scatter, count)
 
 
 def _scatter(sums: MomentSums) -> tuple[float, Tensor, Tensor]:
-    r"""``(N, mean (d,), C (d, d))`` of the reduced ``sums``, with the scatter
-    :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
+    r"""``(N, mean (d,), C (d, d))``, :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
     count = float(sums.count)
     mean = sums.feature_sum / count
     return count, mean, sums.outer_sum - count * torch.outer(mean, mean)
 
 
 def _terms(factor: Tensor, scatter: Tensor, count: float) -> float:
-    r""":math:`-\frac12\operatorname{tr}(\Sigma^{-1}C) - \frac N2\ln|\Sigma|` from the Cholesky
-    ``factor`` of :math:`\Sigma` and the scatter :math:`C`."""
+    r""":math:`-\frac12\operatorname{tr}(\Sigma^{-1}C) - \frac N2\ln|\Sigma|`, ``factor`` of Σ."""
     trace = float(torch.cholesky_solve(scatter, factor).diagonal().sum())
     return -0.5 * trace - count * float(torch.log(factor.diagonal()).sum())
 

@@ -77,9 +77,11 @@ import torch
 from torch import Tensor
 
 from frolic_tta.calibration import match_temperature, pool_weight
+from frolic_tta.debias import ZERO_SHOT_BETA
 from frolic_tta.evidence import data_span, mixture_model
 from frolic_tta.gda import GaussianHead, MomentSums, shared_covariance
 from frolic_tta.head import fused_map
+from frolic_tta.held_out import Difference, enough_samples, held_out_trend, rises
 from frolic_tta.logits import (
     AffineMap,
     LogitSource,
@@ -106,6 +108,8 @@ class FusionChoice:
         gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0: the
             head alone; an upper bound where the pooled fusion's bound decided).
         passes: passes over the logits or features.
+        trend: Vuong's Z of the held-out likelihood, ``(head alone, zero-shot alone)``
+            against the pooled fusion (:mod:`frolic_tta.held_out`), or ``None`` where not read.
     """
 
     head_alone: bool
@@ -113,6 +117,7 @@ class FusionChoice:
     source: LogitSource
     gap: float
     passes: int
+    trend: tuple[float, float] | None = None
 
 
 def label_likelihood(
@@ -300,16 +305,32 @@ def choose_fusion(
     threshold = 0.5 * prototypes.shape[0] * rank
     passes = 2 + alone_bias.evaluations
     if bound >= at_alone - threshold:  # the pooled fusion is certain: nothing of its own
-        return FusionChoice(False, pooled_bias, pooled, at_alone - bound - threshold, passes)
-    # the pooled fusion's own ELBO where it already puts l(pooled) past l(head alone) - Kr/2: the
-    # pooled fusion is then certain, without its product
-    at_pooled = label_likelihood(
-        features, prototypes, pooled, pooled_bias, *common, chunk_size, floor=at_alone - threshold
+        gap = at_alone - bound - threshold
+    else:  # the pooled fusion's own ELBO where it already puts l(pooled) past
+        # l(head alone) - Kr/2: the pooled fusion is then certain, without its product
+        floor = at_alone - threshold
+        at_pooled = label_likelihood(
+            features, prototypes, pooled, pooled_bias, *common, chunk_size, floor=floor
+        )
+        gap, passes = at_alone - max(at_pooled, bound) - threshold, passes + 2
+        if gap > 0.0:
+            return FusionChoice(True, alone_bias, alone, gap, passes)
+    if not enough_samples(float(sums.count), prototypes.shape[0], rank):
+        return FusionChoice(False, pooled_bias, pooled, gap, passes)
+    # the held-out trend (frolic_tta.held_out): f_c / tau_c is the pooled logits' rest
+    weight = pool_weight("selected")
+    zero_shot = Difference(pooled, alone, weight)
+    start = None if zero_shot_beta is None else zero_shot_beta / zero_shot_beta.sum()
+    zero_shot_bias = match(zero_shot, init=start, name=ZERO_SHOT_BETA)
+    pairs = ((pooled, pooled_bias), (alone, alone_bias), (zero_shot, zero_shot_bias))
+    labels = [(source, matched.log_offset) for source, matched in pairs]
+    trend, more = held_out_trend(
+        features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size
     )
-    gap = at_alone - max(at_pooled, bound) - threshold
-    if gap > 0.0:
-        return FusionChoice(True, alone_bias, alone, gap, passes + 2)
-    return FusionChoice(False, pooled_bias, pooled, gap, passes + 2)
+    passes += more + zero_shot_bias.evaluations
+    chosen, trend = rises(trend), (float(trend[0]), float(trend[1]))
+    bias, source = (alone_bias, alone) if chosen else (pooled_bias, pooled)
+    return FusionChoice(chosen, bias, source, gap, passes, trend)
 
 
 def fuse(

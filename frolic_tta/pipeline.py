@@ -322,7 +322,7 @@ def fit_frolic(
         bias = match(fused, method=options.bias, target=test_prior, name=FUSED_BETA, **tight)
     else:
         warn_about_match(bias, k, options.solver.max_iter, options.solver.eps, FUSED_BETA)
-    weight, zero_shot_weight, fusion_gap = pool_weight(options.fusion), None, None
+    weight, zero_shot_weight, fusion = pool_weight(options.fusion), None, {}
     if choosing:  # pooled, or the head alone
         choice = choose_fusion(
             features,
@@ -339,7 +339,7 @@ def fit_frolic(
             alone=None if alone is None else TensorLogits(alone, chunk_size, zero_shot.exact),
             zero_shot_beta=None if head_bias is None else head_bias.beta,
         )
-        fusion_gap = choice.gap
+        fusion = {"fusion_gap": choice.gap, "fusion_trend": choice.trend}
         if choice.head_alone:  # f_f = f_g / tau_g
             bias, weight, zero_shot_weight = choice.bias, 1.0, 0.0
             if buffer is not None:
@@ -366,7 +366,7 @@ def fit_frolic(
         rounds=0 if estimate is None else estimate.rounds,
         passes=0 if estimate is None else estimate.passes,
         label_bias_evidence=evidence,
-        fusion_gap=fusion_gap,
+        **fusion,
         prototype_z=means_z,
     )
     report("done")

@@ -7,8 +7,8 @@ mixture with a shared covariance,
 .. math::
     p(x) = \sum_j \pi_j\,\mathcal N(x; \mu_j, \Sigma)\qquad\text{(Section 3.2)},
 
-a model of the *images* that the text side's pre-training prior :math:`\beta` does not enter,
-so its mixture weights estimate :math:`\pi` without any assumption on :math:`\beta`.
+a model of the *images* that the text prior :math:`\beta` does not enter: its weights estimate
+:math:`\pi` without any assumption on :math:`\beta`.
 
 **Which mixture.** With ``head_labels="debiased"`` (the default) the mixture is the Gaussian head
 itself: its means and shared covariance are the soft scatter (:mod:`frolic_tta.gda`) under the
@@ -330,9 +330,9 @@ class Priors:
         label_bias_evidence: :math:`\ell_U - \ell_M - (K - 1)` in nats, the evidence of a
             zero-shot label bias (:mod:`frolic_tta.evidence`; > 0: removed), ``nan`` where
             ``bias_test="off"``, ``None`` where not estimated (other options).
-        fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats (> 0:
-            :math:`f_f = f_g/\tau_g`, :mod:`frolic_tta.fusion`; an upper bound where the pooled
-            fusion's evidence lower bound decided), ``None`` where not compared.
+        fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats
+            (:mod:`frolic_tta.fusion`; an upper bound where a bound decided), or ``None``.
+        fusion_trend: held-out Z, (head alone, zero-shot) - pooled (:mod:`frolic_tta.held_out`).
         prototype_z: the statistic of the head's means against the prototypes
             (:mod:`frolic_tta.prototype_means`; on the effective counts where the soft
             counts' is under -3.09; |z| <= 3.09 and a-hat significant: the head takes the
@@ -352,6 +352,7 @@ class Priors:
     passes: int = 0
     label_bias_evidence: float | None = None
     fusion_gap: float | None = None
+    fusion_trend: tuple[float, float] | None = None
     prototype_z: float | None = None
 
     def summary(self, digits: int = 6) -> dict[str, object]:

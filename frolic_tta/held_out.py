@@ -1,0 +1,243 @@
+r"""The held-out trend that lets the head alone in where the in-sample margin cannot.
+
+:mod:`frolic_tta.fusion` keeps the head alone (:math:`f_f = f_g/\tau_g`) where its labels make
+the images more likely than the pooled fusion's by more than Wilks' :math:`Kr/2`. At
+``benchmarks/peers.py``'s size (N = 20,000, K = 50, d = 128) the in-sample gap is 200-400 nats
+against 3,200 there, so the pooled fusion stays, while the head alone is right on 0.7-1.7 pt
+more of the samples in all 15 fits (``benchmarks/fusion_choice.py --clip-full``): the margin
+overstates the optimism of refitting under the head's own labels (issue 35, items 4-5).
+
+A held-out likelihood has no optimism to pay for. The samples are split in two folds by a hash
+of their bits (:func:`folds`: the same fold on any shard, in any row order or chunking); the
+mixture refitted under each candidate's labels on one fold (its soft sums, :math:`\Sigma` the
+fold's within-class covariance on the data's span, weights :math:`\tilde\pi`) scores every
+sample of the other. Three candidates are scored: the head alone, the pooled fusion and the
+zero-shot classifier alone, each matched to :math:`\tilde\pi` (Eq. 13). With the per-sample
+differences :math:`d_i = \ell_i(\text{head alone}) - \ell_i(\text{pooled})` and
+:math:`e_i = \ell_i(\text{zero-shot}) - \ell_i(\text{pooled})`, Vuong's statistics are
+:math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`s_d` the sample standard deviation), and the
+head alone is kept where the likelihood rises significantly along the fusion's weight:
+
+.. math::
+    Z_g > 3.09 \quad\text{and}\quad Z_c < -3.09.
+
+The likelihood is the head's own family, so labels nearer the head's posterior fit it better
+whichever classifier is right; on worlds whose prototypes *are* the class means the head alone's
+Z alone is up to 10.6 where it loses 1.5 pt. There the zero-shot labels are as likely as the
+pooled ones or more (:math:`Z_c` up to +11.8); where the head alone gains, far less
+(:math:`Z_c` -13 to -41). The trend is read only where each fold has more samples than the
+means have parameters (N/2 > K r: a fold's mean of n samples is off by r/n within-class
+variances on average): at ImageNet size (N = 50,000, K r = 512,000) Z_g is 329 while the head
+alone's in-sample likelihood is the lower one by 17,382 nats, and the head alone would lose
+1.6 pt. Measured: docs/method.md, Default 6.
+
+Cost, where it runs: one pass over the features (the fold's moments), one over each candidate's
+logits (its soft sums by fold), one scoring pass (three mixtures), and the zero-shot matching.
+Shapes: N samples, K classes, d embedding dim, r the rank of the data's span.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from frolic_tta.evidence import within_factor
+from frolic_tta.gda import MomentSums, shared_covariance
+from frolic_tta.logits import LogitSource, ReduceFn, chunk_rows, exact_arithmetic
+from frolic_tta.mixture import log_weights
+from frolic_tta.prototype_means import LEVEL
+from frolic_tta.sweeps import unnormalised
+
+FOLD_MODULUS = 2_147_483_647
+"""A prime: a row's fold is the parity of its hash modulo it (:func:`folds`)."""
+
+
+def folds(features: Tensor) -> Tensor:
+    r"""``(N,)`` bool, the fold of each row: the parity of :math:`\sum_k (2k + 1) b_k`
+    modulo :data:`FOLD_MODULUS`, :math:`b_k` the bits of the row's k-th float32 value as a
+    signed integer (a function of the row alone: every shard, order and chunking agree)."""
+    bits = features.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    odd = torch.arange(1, 2 * bits.shape[1], 2, dtype=torch.int64, device=bits.device)
+    return torch.remainder((bits * odd).sum(1), FOLD_MODULUS).remainder(2) == 1
+
+
+def enough_samples(count: float, num_classes: int, rank: int) -> bool:
+    """Whether the held-out trend is read: N/2 > K r (module docstring)."""
+    return count > 2.0 * num_classes * rank
+
+
+def rises(trend: Tensor) -> bool:
+    r"""Whether the held-out likelihood rises significantly from the zero-shot labels to the
+    pooled ones to the head alone's: :math:`Z_g >` :data:`LEVEL` and :math:`Z_c < -`
+    :data:`LEVEL` (``trend`` of :func:`held_out_trend`)."""
+    return float(trend[0]) > LEVEL and float(trend[1]) < -LEVEL
+
+
+class Difference(LogitSource):
+    r"""The logits ``total / weight - part`` by chunks (:math:`f_c/\tau_c` from the pooled
+    fusion :math:`\omega(f_g/\tau_g + f_c/\tau_c)` and the head alone's :math:`f_g/\tau_g`)."""
+
+    def __init__(self, total: LogitSource, part: LogitSource, weight: float) -> None:
+        self.total, self.part, self.weight = total, part, weight
+        self.num_samples, self.num_classes = total.num_samples, total.num_classes
+        self.exact = total.exact
+
+    def chunks(self) -> Iterator[tuple[int, Tensor]]:
+        parts = self.part.chunks()
+        for start, values in self.total.chunks():
+            at, other = next(parts)
+            if at != start or other.shape != values.shape:
+                raise ValueError(
+                    f"Expected the two logit sources chunked alike, but got rows {start} and {at}"
+                )
+            yield start, values / self.weight - other
+
+
+def held_out_trend(
+    features: Tensor,
+    prototypes: Tensor,
+    labels: Sequence[tuple[LogitSource, Tensor]],
+    sums: MomentSums,
+    prior: Tensor,
+    span: Tensor | None,
+    reduce_fn: ReduceFn,
+    chunk_size: int | None,
+) -> tuple[Tensor, int]:
+    r"""Vuong's Z of each candidate's held-out likelihood against the first one's (module
+    docstring): ``(Z (len(labels) - 1,), passes)``, float64; 0 where the differences vanish.
+
+    Args:
+        features: ``(N_local, d)`` the local shard.
+        prototypes: ``(K, d)`` (classes without mass take the fold's mean).
+        labels: ``(logits, log_offset)`` of each candidate, the first the reference: the
+            soft labels are :math:`\mathrm{softmax}(f + \text{offset})`.
+        sums: the reduced moment sums (their total moments).
+        prior: ``(K,)`` the mixture weights :math:`\tilde\pi`.
+        span: ``(d, r)`` the data's span (:func:`~frolic_tta.evidence.data_span`) or ``None``.
+        reduce_fn: sums a tensor over shards.
+        chunk_size: rows per chunk.
+    """
+    k, d = prototypes.shape
+    fold = folds(features)
+    exact = exact_arithmetic(sums.count, k, d)
+    dtype = torch.float64 if exact else torch.float32
+    local = [_fold_moments(features, fold, chunk_rows(k, chunk_size))]
+    for source, offset in labels:
+        local.append(_fold_soft_sums(source, offset, features, fold, dtype))
+    packed = reduce_fn(torch.cat(local)).to(sums.outer_sum.device)
+    by_fold = _split_moments(packed, sums, d)
+    models: list[list[tuple]] = [[], []]  # per fold: each candidate's mixture refitted on it
+    at = 1 + d + d * d
+    for _ in labels:
+        for f, moments in enumerate(by_fold):
+            soft_count, soft_sum = packed[at : at + k], packed[at + k : at + k + k * d]
+            at += k + k * d
+            refit = MomentSums(*moments, soft_count, soft_sum.reshape(k, d))
+            models[f].append(_scorer(refit, prototypes, span))
+    differences = _score(features, fold, models, log_weights(prior), chunk_size, dtype)
+    moments = reduce_fn(differences)
+    n = float(sums.count)
+    statistics = []
+    for first, square in moments.reshape(-1, 2):
+        variance = (float(square) - float(first) ** 2 / n) / max(n - 1.0, 1.0)
+        statistics.append(0.0 if variance <= 0.0 else float(first) / math.sqrt(n * variance))
+    return torch.tensor(statistics, dtype=torch.float64), 2 + len(labels)
+
+
+def _fold_moments(features: Tensor, fold: Tensor, rows: int) -> Tensor:
+    """``[n, sum x (d,), sum x x^T (d*d,)]`` of the local rows of fold 1 (float64)."""
+    d = features.shape[1]
+    out = torch.zeros(1 + d + d * d, dtype=torch.float64, device=features.device)
+    for start in range(0, features.shape[0], rows):
+        x = features[start : start + rows][fold[start : start + rows]].to(torch.float64)
+        out[0] += x.shape[0]
+        out[1 : 1 + d] += x.sum(0)
+        out[1 + d :] += (x.t() @ x).flatten()
+    return out.cpu()
+
+
+def _fold_soft_sums(
+    source: LogitSource, offset: Tensor, features: Tensor, fold: Tensor, dtype: torch.dtype
+) -> Tensor:
+    r"""``[fold 0: sum q (K,), sum q x^T (K*d,); fold 1: the same]`` of the local rows for the
+    soft labels :math:`q_i = \mathrm{softmax}(f_i + \text{offset})` (float64 sums of
+    ``dtype`` products)."""
+    k, d = source.num_classes, features.shape[1]
+    out = torch.zeros(2, k + k * d, dtype=torch.float64, device=features.device)
+    start = 0
+    for posterior, _ in unnormalised(source, offset.to(torch.float64), None):
+        rows = posterior.shape[0]
+        q = posterior.to(dtype)
+        q = q / q.sum(1, keepdim=True)
+        x, where = features[start : start + rows].to(dtype), fold[start : start + rows]
+        for f, mask in enumerate((~where, where)):
+            out[f, :k] += q[mask].sum(0, dtype=torch.float64)
+            out[f, k:] += (q[mask].t() @ x[mask]).double().flatten()
+        start += rows
+    return out.flatten().cpu()
+
+
+def _split_moments(
+    packed: Tensor, sums: MomentSums, d: int
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """The moments ``(count, sum, outer sum)`` of fold 0 (the total less fold 1) and fold 1."""
+    count, feature_sum = packed[0], packed[1 : 1 + d]
+    outer = packed[1 + d : 1 + d + d * d].reshape(d, d)
+    second = (count, feature_sum, outer)
+    first = (sums.count - count, sums.feature_sum - feature_sum, sums.outer_sum - outer)
+    return first, second
+
+
+def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> tuple:
+    r"""``(mean (d,), W (K, r), b (K,), factor (r, r), log det / 2, span)`` of the mixture
+    refitted on ``refit``: :math:`\ln\mathcal N(x; \mu_j, \Sigma) = w_j^\top y + b_j -
+    \frac12 y^\top\Sigma^{-1}y - \frac12\ln|\Sigma|` (+ const), :math:`y` the centred features
+    on the span."""
+    _, means, weights, _ = shared_covariance(refit, prototypes, "soft", None)
+    centred, factor, _ = within_factor(means, weights, refit, span)
+    weight = torch.cholesky_solve(centred.t(), factor).t()
+    bias = -0.5 * (centred * weight).sum(1)
+    half_log_det = torch.log(factor.diagonal()).sum()
+    mean = refit.feature_sum / refit.count
+    return mean, weight, bias, factor, half_log_det, span
+
+
+def _score(
+    features: Tensor,
+    fold: Tensor,
+    models: list[list[tuple]],
+    log_prior: Tensor,
+    chunk_size: int | None,
+    dtype: torch.dtype,
+) -> Tensor:
+    r"""``[sum_i d_i, sum_i d_i^2]`` per candidate after the first (float64, local): each row
+    scored by the other fold's mixtures, :math:`d_i` its log-likelihood less the first
+    candidate's."""
+    k = log_prior.shape[0]
+    rows = chunk_rows(k, chunk_size)
+    out = torch.zeros(len(models[0]) - 1, 2, dtype=torch.float64, device=features.device)
+    for start in range(0, features.shape[0], rows):
+        x, where = features[start : start + rows], fold[start : start + rows]
+        for f, mask in enumerate((where, ~where)):  # fold 1 by fold 0's mixtures, and back
+            if not bool(mask.any()):
+                continue
+            scores = [_log_density(x[mask], model, log_prior, dtype) for model in models[f]]
+            for c, score in enumerate(scores[1:]):
+                diff = (score - scores[0]).double()
+                out[c, 0] += diff.sum()
+                out[c, 1] += diff.square().sum()
+    return out.flatten().cpu()
+
+
+def _log_density(x: Tensor, model: tuple, log_prior: Tensor, dtype: torch.dtype) -> Tensor:
+    r""":math:`\ln\sum_j \pi_j\mathcal N(x_i; \mu_j, \Sigma)` up to a constant, ``(n,)``."""
+    mean, weight, bias, factor, half_log_det, span = model
+    y = x.to(torch.float64) - mean.to(x.device)
+    y = (y if span is None else y @ span.to(y)).to(dtype)
+    g = y @ weight.to(y).t() + (bias + log_prior.to(bias)).to(y)
+    solved = torch.linalg.solve_triangular(factor.to(y), y.t(), upper=False)
+    quad = 0.5 * solved.square().sum(0)
+    return torch.logsumexp(g, 1) - quad - half_log_det.to(y)
