@@ -5,7 +5,10 @@ world and seed and writes ``benchmarks/results/fusion_choice.json``. ``--quick``
 
 The default keeps :math:`f_g/\tau_g` alone (instead of the pooled fusion) where the mixture
 refitted under its debiased labels is more likely than the pooled one's by more than
-:math:`Kr/2` nats (:mod:`frolic_tta.fusion`). For every world this prints:
+:math:`Kr/2` nats (:mod:`frolic_tta.fusion`, the *margin*), and, where N/2 > K r, where the
+held-out likelihood rises significantly from the zero-shot labels to the pooled ones to the
+head alone's (:mod:`frolic_tta.held_out`, the *trend*: its Z pair in ``priors.fusion_trend``).
+For every world this prints:
 
 * ``gap``: the in-sample :math:`\ell(\text{head alone}) - \ell(\text{pooled})` the rule reads
   (the fit's ``fusion_gap`` plus :math:`Kr/2`; since 2026-11-27 22:30 UTC an upper bound where
@@ -31,12 +34,11 @@ ImageNet-size worlds (N = 50,000, K = 1,000, d = 512, 1 seed; about 5 minutes), 
 ``fusion_choice_clip_full.json``. ``--sweep``: only ``no_harm_sweep.py``'s means worlds (3 seeds,
 every K; about 8 minutes), ``fusion_choice_sweep.json``.
 
-A candidate rule it scores (``monotone``, not the library's): the head alone where the held-out
-likelihood rises significantly from :math:`f_c/\tau_c` alone to the pooled labels and from them
-to the head alone's (Z of the head alone over the pooled above 3.09 and Z of the zero-shot
-labels over the pooled under -3.09, one-sided 0.1 % each); the last line sums what it would
-change against the default's :math:`f_d`. It measures whether a likelihood can tell where
-the head alone is the better classifier: a rule is as good as the worlds it separates.
+The last lines sum what the trend changes against the margin alone (the default's f_d, but
+this script's pooled candidate where the trend switched): the library's trend (its hashed folds,
+read where N/2 > K r), and ``monotone``, the same trend on this script's random folds read in
+every world (Z of the head alone over the pooled above 3.09 and Z of the zero-shot labels over
+the pooled under -3.09, one-sided 0.1 % each). A rule is as good as the worlds it separates.
 """
 
 from __future__ import annotations
@@ -154,8 +156,14 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
     whole = [torch.arange(x64.shape[0])]  # in sample: this script's math against the fit's gap
     rows = result.ablations(labels)
     own = {key: held_out(x64, s.softmax(1), prior, span, whole) for key, s in scores.items()}
+    trend = result.priors.fusion_trend
+    margin = result.priors.fusion_gap > 0.0
     return {
         "head alone chosen": head.zero_shot_weight == 0.0,
+        "margin chose": margin,
+        "trend": None if trend is None else list(trend),
+        "trend chose": head.zero_shot_weight == 0.0 and not margin,
+        "prototype z": result.priors.prototype_z,
         "gap": result.priors.fusion_gap + threshold,
         "gap here": float((own["head alone"] - own["pooled"]).sum()),
         "threshold": threshold,
@@ -180,9 +188,16 @@ def monotone(row: dict) -> bool:
 
 
 def summary(runs: list[dict]) -> str:
-    """What the candidate rule changes: fits switched, f_d's change, misses of the bounds."""
-    new = [r["head alone"] if monotone(r) else r["f_d"] for r in runs]
-    change = [100 * (a - r["f_d"]) for a, r in zip(new, runs, strict=True)]
+    """What each trend changes against the margin alone: fits switched, f_d's change, misses."""
+    # the margin alone: f_d, but this script's pooled candidate where the trend switched
+    margin = [r["pooled"] if r["trend chose"] else r["f_d"] for r in runs]
+    rules = {
+        "library's trend": [r["f_d"] for r in runs],
+        "monotone (every world, random folds)": [
+            r["head alone"] if monotone(r) and not r["margin chose"] else m
+            for r, m in zip(runs, margin, strict=True)
+        ],
+    }
 
     def misses(values: list[float]) -> str:
         under_c = sum(v < r["f_c"] - 0.005 - 1e-9 for v, r in zip(values, runs, strict=True))
@@ -190,12 +205,20 @@ def summary(runs: list[dict]) -> str:
         under = sum(v < t - 0.005 - 1e-9 for v, t in zip(values, top, strict=True))
         return f"{under_c} under f_c - 0.5 pt, {under} under max(f_c, f_g, f_c - ln beta) - 0.5 pt"
 
-    switched = sum(monotone(r) and not r["head alone chosen"] for r in runs)
-    return (
-        f"monotone rule: {switched} of {len(runs)} fits switch to the head alone; f_d change mean "
-        f"{sum(change) / len(change):+.3f} pt, worst {min(change):+.2f}, best {max(change):+.2f}; "
-        f"default {misses([r['f_d'] for r in runs])}; rule {misses(new)}"
-    )
+    lines = [f"the margin alone: {misses(margin)}"]
+    for name, new in rules.items():
+        change = [100 * (a - b) for a, b in zip(new, margin, strict=True)]
+        moved = [c for c, a, b in zip(change, new, margin, strict=True) if a != b]
+        if name.startswith("library"):
+            switched = sum(r["trend chose"] for r in runs)
+        else:
+            switched = sum(monotone(r) and not r["margin chose"] for r in runs)
+        worst = f"worst {min(change):+.2f}, best {max(change):+.2f}" if moved else "none moved"
+        lines.append(
+            f"{name}: {switched} of {len(runs)} fits switch to the head alone; f_d change mean "
+            f"{sum(change) / len(change):+.3f} pt, {worst}; {misses(new)}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -213,7 +236,9 @@ def main() -> None:
     for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
-        kept = "head alone" if row["head alone chosen"] else "pooled"
+        kept = "pooled"
+        if row["head alone chosen"]:
+            kept = "head alone: " + ("margin" if row["margin chose"] else "trend")
         print(
             f"{name:40s} seed {seed}: gap {row['gap']:8.1f} (here {row['gap here']:8.1f}; "
             f"threshold {row['threshold']:6.0f}), "
@@ -224,6 +249,7 @@ def main() -> None:
             f"{row['zero-shot held-out gap']:7.1f} Z {row['zero-shot held-out Z']:5.1f}, "
             f"{row['zero-shot alone']:.4f} "
             f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)"
+            + (f" | trend Z {trend[0]:.1f} / {trend[1]:.1f}" if (trend := row["trend"]) else "")
             + (" | monotone: head alone" if monotone(row) else ""),
             flush=True,
         )

@@ -85,8 +85,8 @@ def test_the_readme_world_is_not_below_its_own_gaussian_head(seed):
 @pytest.mark.xfail(
     strict=True,
     reason="issue 35: at N = 800 (40 per class) f_d 0.544 against f_g 0.605 (seed 0): the "
-    "fusion keeps the pooled one, in-sample gap 326 nats against K r / 2 = 640 "
-    "(benchmarks/fusion_choice.py)",
+    "fusion keeps the pooled one, in-sample gap 326 nats against K r / 2 = 640, and the held-out "
+    "trend is not read (N / 2 = 400 < K r = 1,280; benchmarks/fusion_choice.py)",
 )
 def test_the_readme_world_at_40_per_class_is_not_below_its_own_gaussian_head():
     # measured on seeds 0-9: f_d 4.9-8.4 pt under f_g, which is 25-43 pt above f_c
