@@ -131,3 +131,16 @@ def test_the_trend_is_not_read_with_fewer_samples_than_mean_parameters():
     world = clip_world(num_samples=800, seed=0)
     result = quiet(frolic_tta.fit_frolic, world.features, world.prototypes)
     assert result.priors.fusion_trend is None and result.head.zero_shot_weight is None
+
+
+def test_the_trend_is_the_same_for_any_chunking_and_without_kept_logits(peers_world):
+    world = peers_world
+    whole = quiet(frolic_tta.fit_frolic, world.features, world.prototypes)
+    expected = whole.head.debiased().logits(world.features).argmax(1)
+    for options in ({"chunk_size": 777}, {"keep_logits": False, "chunk_size": 3000}):
+        other = quiet(frolic_tta.fit_frolic, world.features, world.prototypes, **options)
+        assert other.priors.fusion_trend == pytest.approx(whole.priors.fusion_trend, rel=1e-6)
+        assert other.head.zero_shot_weight == 0.0
+        assert other.head.tau_g == pytest.approx(whole.head.tau_g, rel=1e-6)
+        predictions = other.head.debiased().logits(world.features).argmax(1)
+        assert torch.equal(predictions, expected)
