@@ -332,9 +332,11 @@ def choose_fusion(
         features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size
     )
     passes += more + zero_shot_bias.evaluations
-    chosen, trend = rises(trend), (float(trend[0]), float(trend[1]))
+    if trend is None:  # a fold too small (duplicated rows share their fold)
+        return FusionChoice(False, pooled_bias, pooled, gap, passes)
+    chosen, pair = rises(trend), (float(trend[0]), float(trend[1]))
     bias, source = (alone_bias, alone) if chosen else (pooled_bias, pooled)
-    return FusionChoice(chosen, bias, source, gap, passes, trend)
+    return FusionChoice(chosen, bias, source, gap, passes, pair)
 
 
 def fuse(

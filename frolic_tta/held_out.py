@@ -8,7 +8,8 @@ more of the samples in all 15 fits (``benchmarks/fusion_choice.py --clip-full``)
 overstates the optimism of refitting under the head's own labels (issue 35, items 4-5).
 
 A held-out likelihood has no optimism to pay for. The samples are split in two folds by a hash
-of their bits (:func:`folds`: the same fold on any shard, in any row order or chunking); the
+of their values' leading bits (:func:`folds`: the same fold on any shard, in any row order or
+chunking, and almost always under another CPU kernel set's last bits); the
 mixture refitted under each candidate's labels on one fold (its soft sums, :math:`\Sigma` the
 fold's within-class covariance on the data's span, weights :math:`\tilde\pi`) scores every
 sample of the other. Three candidates are scored: the head alone, the pooled fusion and the
@@ -55,11 +56,22 @@ FOLD_MODULUS = 2_147_483_647
 """A prime: a row's fold is the parity of its hash modulo it (:func:`folds`)."""
 
 
+FOLD_BITS = 12
+"""The leading bits of each float32 value a row's fold reads: sign, exponent and 3 mantissa
+bits (:func:`folds`)."""
+
+
 def folds(features: Tensor) -> Tensor:
     r"""``(N,)`` bool, the fold of each row: the parity of :math:`\sum_k (2k + 1) b_k`
-    modulo :data:`FOLD_MODULUS`, :math:`b_k` the bits of the row's k-th float32 value as a
-    signed integer (a function of the row alone: every shard, order and chunking agree)."""
-    bits = features.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    modulo :data:`FOLD_MODULUS`, :math:`b_k` the leading :data:`FOLD_BITS` bits of the row's
+    k-th float32 value as a signed integer. A function of the row alone, so every shard, row
+    order and chunking agree; and of its values to 1 part in 8, so features whose last bits
+    differ (another CPU kernel set's normalisation: 3 rows of ``tests/test_numerics.py``'s
+    unit world changed fold on all 32 bits) almost never change fold: a value moves a leading
+    bit with probability about :math:`2^{-20}` per unit roundoff."""
+    shift = 32 - FOLD_BITS
+    bits = features.detach().to(torch.float32).contiguous().view(torch.int32) >> shift
+    bits = bits.to(torch.int64)
     odd = torch.arange(1, 2 * bits.shape[1], 2, dtype=torch.int64, device=bits.device)
     return torch.remainder((bits * odd).sum(1), FOLD_MODULUS).remainder(2) == 1
 
@@ -105,9 +117,10 @@ def held_out_trend(
     span: Tensor | None,
     reduce_fn: ReduceFn,
     chunk_size: int | None,
-) -> tuple[Tensor, int]:
+) -> tuple[Tensor | None, int]:
     r"""Vuong's Z of each candidate's held-out likelihood against the first one's (module
-    docstring): ``(Z (len(labels) - 1,), passes)``, float64; 0 where the differences vanish.
+    docstring): ``(Z (len(labels) - 1,), passes)``, float64; 0 where the differences vanish;
+    ``None`` where a fold has no more samples than the means have parameters (K r).
 
     Args:
         features: ``(N_local, d)`` the local shard.
@@ -129,6 +142,9 @@ def held_out_trend(
         local.append(_fold_soft_sums(source, offset, features, fold, dtype))
     packed = reduce_fn(torch.cat(local)).to(sums.outer_sum.device)
     by_fold = _split_moments(packed, sums, d)
+    rank = d if span is None else span.shape[1]
+    if min(float(by_fold[0][0]), float(by_fold[1][0])) <= k * rank:  # a fold too small
+        return None, 1 + len(labels)
     models: list[list[tuple]] = [[], []]  # per fold: each candidate's mixture refitted on it
     at = 1 + d + d * d
     for _ in labels:
