@@ -72,10 +72,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import (
+from frolic_tta.gda import (  # data_span: here before, and imported from here
     RANK_TOLERANCE,
     GaussianHead,
     MomentSums,
+    centred_scatter,
+    data_span,
     fit_gaussian_head,
     ridge_factor,
     shared_covariance,
@@ -122,18 +124,6 @@ class BiasEvidence:
     scratch_used: bool = False
 
 
-def data_span(sums: MomentSums) -> Tensor | None:
-    r"""``(d, r)`` an orthonormal basis of the span of the centred features (the eigenvectors of
-    the total covariance above :data:`~frolic_tta.gda.RANK_TOLERANCE` of its mean eigenvalue),
-    or ``None`` where that is all of :math:`\mathbb R^d` (``r = 0``: identical features, where
-    the comparison keeps the corrected reading)."""
-    count, _, scatter = _scatter(sums)
-    total = scatter / count
-    values, vectors = torch.linalg.eigh(0.5 * (total + total.t()))
-    keep = values > RANK_TOLERANCE * float(values.clamp(min=0.0).sum()) / values.shape[0]
-    return None if bool(keep.all()) else vectors[:, keep]
-
-
 def mixture_model(
     means: Tensor, weights: Tensor, sums: MomentSums, span: Tensor | None
 ) -> tuple[AffineMap, float]:
@@ -156,7 +146,7 @@ def within_factor(
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""``(centred means (K, r), Cholesky factor (r, r), scatter C (r, r))`` on ``span`` of
     :func:`mixture_model`'s within-class covariance (shrunk where rank-deficient)."""
-    count, mean, scatter = _scatter(sums)
+    count, mean, scatter = centred_scatter(sums)
     centred = means - mean  # (K, d)
     within = scatter / count - (centred * weights[:, None]).t() @ centred
     if span is not None:
@@ -176,15 +166,8 @@ def head_terms(head: GaussianHead, sums: MomentSums) -> float:
     r"""``terms`` of :func:`mixture_model` for the mixture of ``head`` itself (its means and
     :math:`\hat\Sigma`, on all of :math:`\mathbb R^d`), whose centred component logits are
     ``head.gda()``'s: a buffer holding them is read instead of recomputed."""
-    count, _, scatter = _scatter(sums)
+    count, _, scatter = centred_scatter(sums)
     return _terms(torch.linalg.cholesky(head.shared_covariance), scatter, count)
-
-
-def _scatter(sums: MomentSums) -> tuple[float, Tensor, Tensor]:
-    r"""``(N, mean (d,), C (d, d))``, :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
-    count = float(sums.count)
-    mean = sums.feature_sum / count
-    return count, mean, sums.outer_sum - count * torch.outer(mean, mean)
 
 
 def _terms(factor: Tensor, scatter: Tensor, count: float) -> float:

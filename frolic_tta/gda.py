@@ -22,12 +22,9 @@ Two covariance estimators:
   (:math:`\lambda_{\min} > 10^{-6}\operatorname{tr}\hat\Sigma/d`; true once N > d in
   practice) and otherwise shrunk towards :math:`\frac{\operatorname{tr}\hat\Sigma}{d} I` with
   the Oracle Approximating Shrinkage intensity (Chen et al. 2010, as scikit-learn's ``OAS``),
-  which needs only :math:`\hat\Sigma` and N. (Measured in ``benchmarks/defaults.py``: OAS
-  costs 1-2 points of accuracy whenever the scatter is PD, and is required when N <= d.)
-  The class means of the head are :math:`m_j`. It is Eq. 5 with
-  :math:`\pi` and the class means estimated instead of assumed: under the paper's model with
-  the Bayes posterior as :math:`p`, :math:`m_j \to z_j`, :math:`\hat\pi_j \to \pi_j` and
-  :math:`\hat\Sigma \to \Sigma`, i.e. it reduces to Eq. 7.
+  which needs only :math:`\hat\Sigma` and N (``benchmarks/defaults.py``: OAS costs 1-2 points
+  where the scatter is PD, and is required when N <= d). It is Eq. 5 with :math:`\pi` and the
+  class means :math:`m_j` estimated; with the Bayes posterior as :math:`p` it tends to Eq. 7.
 
 The head (Eq. 9): :math:`w_j = \hat\Sigma^{-1}\mu_j`, :math:`b_j = -\frac12\mu_j^\top w_j`,
 solved by Cholesky (``"soft"``) or LU (``"paper"``, indefinite), never by ``inverse``. It is
@@ -216,6 +213,25 @@ class GaussianHead:
 
 
 RANK_TOLERANCE = 1e-6
+
+
+def data_span(sums: MomentSums) -> Tensor | None:
+    r"""``(d, r)`` an orthonormal basis of the span of the centred features (the eigenvectors of
+    the total covariance above :data:`RANK_TOLERANCE` of its mean eigenvalue),
+    or ``None`` where that is all of :math:`\mathbb R^d` (``r = 0``: identical features, where
+    the comparison keeps the corrected reading)."""
+    count, _, scatter = centred_scatter(sums)
+    total = scatter / count
+    values, vectors = torch.linalg.eigh(0.5 * (total + total.t()))
+    keep = values > RANK_TOLERANCE * float(values.clamp(min=0.0).sum()) / values.shape[0]
+    return None if bool(keep.all()) else vectors[:, keep]
+
+
+def centred_scatter(sums: MomentSums) -> tuple[float, Tensor, Tensor]:
+    r"""``(N, mean (d,), C (d, d))``, :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
+    count = float(sums.count)
+    mean = sums.feature_sum / count
+    return count, mean, sums.outer_sum - count * torch.outer(mean, mean)
 
 
 def shared_covariance(

@@ -8,8 +8,8 @@ more of the samples in all 15 fits (``benchmarks/fusion_choice.py --clip-full``)
 overstates the optimism of refitting under the head's own labels (issue 35, items 4-5).
 
 A held-out likelihood has no optimism to pay for. The samples are split in two folds by a hash
-of their values' leading bits (:func:`folds`: the same fold on any shard, in any row order or
-chunking, and almost always under another CPU kernel set's last bits); the
+of their values' leading bits (:func:`~frolic_tta.folds.folds`: the same fold on any shard, in
+any row order or chunking, and almost always under another CPU kernel set's last bits); the
 mixture refitted under each candidate's labels on one fold (its soft sums, :math:`\Sigma` the
 fold's within-class covariance on the data's span, weights :math:`\tilde\pi`) scores every
 sample of the other. Three candidates are scored: the head alone, the pooled fusion and the
@@ -46,39 +46,13 @@ import torch
 from torch import Tensor
 
 from frolic_tta.evidence import within_factor
+from frolic_tta.folds import enough_samples, folds, refits_by_fold
 from frolic_tta.gda import MomentSums, shared_covariance
 from frolic_tta.logits import LogitSource, ReduceFn, chunk_rows, exact_arithmetic
 from frolic_tta.mixture import log_weights
 from frolic_tta.prototype_means import LEVEL
-from frolic_tta.sweeps import unnormalised
 
-FOLD_MODULUS = 2_147_483_647
-"""A prime: a row's fold is the parity of its hash modulo it (:func:`folds`)."""
-
-
-FOLD_BITS = 12
-"""The leading bits of each float32 value a row's fold reads: sign, exponent and 3 mantissa
-bits (:func:`folds`)."""
-
-
-def folds(features: Tensor) -> Tensor:
-    r"""``(N,)`` bool, the fold of each row: the parity of :math:`\sum_k (2k + 1) b_k`
-    modulo :data:`FOLD_MODULUS`, :math:`b_k` the leading :data:`FOLD_BITS` bits of the row's
-    k-th float32 value as a signed integer. A function of the row alone, so every shard, row
-    order and chunking agree; and of its values to 1 part in 8, so features whose last bits
-    differ (another CPU kernel set's normalisation: 3 rows of ``tests/test_numerics.py``'s
-    unit world changed fold on all 32 bits) almost never change fold: a value moves a leading
-    bit with probability about :math:`2^{-20}` per unit roundoff."""
-    shift = 32 - FOLD_BITS
-    bits = features.detach().to(torch.float32).contiguous().view(torch.int32) >> shift
-    bits = bits.to(torch.int64)
-    odd = torch.arange(1, 2 * bits.shape[1], 2, dtype=torch.int64, device=bits.device)
-    return torch.remainder((bits * odd).sum(1), FOLD_MODULUS).remainder(2) == 1
-
-
-def enough_samples(count: float, num_classes: int, rank: int) -> bool:
-    """Whether the held-out trend is read: N/2 > K r (module docstring)."""
-    return count > 2.0 * num_classes * rank
+__all__ = ["Difference", "enough_samples", "folds", "held_out_trend", "rises"]
 
 
 def rises(trend: Tensor) -> bool:
@@ -137,22 +111,12 @@ def held_out_trend(
     fold = folds(features)
     exact = exact_arithmetic(sums.count, k, d)
     dtype = torch.float64 if exact else torch.float32
-    local = [_fold_moments(features, fold, chunk_rows(k, chunk_size))]
-    for source, offset in labels:
-        local.append(_fold_soft_sums(source, offset, features, fold, dtype))
-    packed = reduce_fn(torch.cat(local)).to(sums.outer_sum.device)
-    by_fold = _split_moments(packed, sums, d)
     rank = d if span is None else span.shape[1]
-    if min(float(by_fold[0][0]), float(by_fold[1][0])) <= k * rank:  # a fold too small
+    refits = refits_by_fold(features, fold, labels, sums, reduce_fn, chunk_size, dtype, k * rank)
+    if refits is None:  # a fold too small
         return None, 1 + len(labels)
-    models: list[list[tuple]] = [[], []]  # per fold: each candidate's mixture refitted on it
-    at = 1 + d + d * d
-    for _ in labels:
-        for f, moments in enumerate(by_fold):
-            soft_count, soft_sum = packed[at : at + k], packed[at + k : at + k + k * d]
-            at += k + k * d
-            refit = MomentSums(*moments, soft_count, soft_sum.reshape(k, d))
-            models[f].append(_scorer(refit, prototypes, span))
+    # per fold: each candidate's mixture refitted on it
+    models = [[_scorer(pair[f], prototypes, span) for pair in refits] for f in (0, 1)]
     differences = _score(features, fold, models, log_weights(prior), chunk_size, dtype)
     moments = reduce_fn(differences)
     n = float(sums.count)
@@ -161,50 +125,6 @@ def held_out_trend(
         variance = (float(square) - float(first) ** 2 / n) / max(n - 1.0, 1.0)
         statistics.append(0.0 if variance <= 0.0 else float(first) / math.sqrt(n * variance))
     return torch.tensor(statistics, dtype=torch.float64), 2 + len(labels)
-
-
-def _fold_moments(features: Tensor, fold: Tensor, rows: int) -> Tensor:
-    """``[n, sum x (d,), sum x x^T (d*d,)]`` of the local rows of fold 1 (float64)."""
-    d = features.shape[1]
-    out = torch.zeros(1 + d + d * d, dtype=torch.float64, device=features.device)
-    for start in range(0, features.shape[0], rows):
-        x = features[start : start + rows][fold[start : start + rows]].to(torch.float64)
-        out[0] += x.shape[0]
-        out[1 : 1 + d] += x.sum(0)
-        out[1 + d :] += (x.t() @ x).flatten()
-    return out.cpu()
-
-
-def _fold_soft_sums(
-    source: LogitSource, offset: Tensor, features: Tensor, fold: Tensor, dtype: torch.dtype
-) -> Tensor:
-    r"""``[fold 0: sum q (K,), sum q x^T (K*d,); fold 1: the same]`` of the local rows for the
-    soft labels :math:`q_i = \mathrm{softmax}(f_i + \text{offset})` (float64 sums of
-    ``dtype`` products)."""
-    k, d = source.num_classes, features.shape[1]
-    out = torch.zeros(2, k + k * d, dtype=torch.float64, device=features.device)
-    start = 0
-    for posterior, _ in unnormalised(source, offset.to(torch.float64), None):
-        rows = posterior.shape[0]
-        q = posterior.to(dtype)
-        q = q / q.sum(1, keepdim=True)
-        x, where = features[start : start + rows].to(dtype), fold[start : start + rows]
-        for f, mask in enumerate((~where, where)):
-            out[f, :k] += q[mask].sum(0, dtype=torch.float64)
-            out[f, k:] += (q[mask].t() @ x[mask]).double().flatten()
-        start += rows
-    return out.flatten().cpu()
-
-
-def _split_moments(
-    packed: Tensor, sums: MomentSums, d: int
-) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """The moments ``(count, sum, outer sum)`` of fold 0 (the total less fold 1) and fold 1."""
-    count, feature_sum = packed[0], packed[1 : 1 + d]
-    outer = packed[1 + d : 1 + d + d * d].reshape(d, d)
-    second = (count, feature_sum, outer)
-    first = (sums.count - count, sums.feature_sum - feature_sum, sums.outer_sum - outer)
-    return first, second
 
 
 def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> tuple:

@@ -161,14 +161,19 @@ class LinearLogits(LogitSource):
         self.chunk_size = chunk_rows(self.num_classes, chunk_size)
         self.dtype, self.work, self.exact = dtype, work, exact
 
-    def _product(self, start: int, out: Tensor | None = None) -> Tensor:
-        block = self.features[start : start + self.chunk_size].to(self.work)
+    def _product(self, start: int, out: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+        block = self.features[start : start + self.chunk_size]
+        block = (block if rows is None else block[rows]).to(self.work)
         if self.center is not None:
             block = block - self.center
         out = out if self.work == self.dtype else None  # exact: a float64 temporary, rounded
         if self.bias is None:
             return torch.matmul(block, self.weight_t, out=out)
         return torch.addmm(self.bias, block, self.weight_t, out=out)
+
+    def rows(self, start: int, rows: Tensor) -> Tensor:
+        """The logits of the chunk at ``start``'s rows where ``rows`` (bool, one per row)."""
+        return self._product(start, rows=rows).to(self.dtype)
 
     def chunks(self) -> Iterator[tuple[int, Tensor]]:
         for start in range(0, self.num_samples, self.chunk_size):

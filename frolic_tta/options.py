@@ -87,20 +87,15 @@ class SolverOptions:
     Args:
         eps: tolerance :math:`\epsilon` of the label-bias loop (Eq. 16).
         max_iter: cap on the label-bias iterations.
-        prior_rounds: refits of the mixture under the debiased posterior once the
-            balanced one shows an imbalanced test set (``test_prior="em"``,
-            :mod:`frolic_tta.prior`); the last refit's weights are solved to ``prior_tol``,
-            the others' (they only seed the next refit) too up to 4,096 classes, above it
-            until EM's passes gain little (:data:`~frolic_tta.mixture.SETTLE_SHARE`).
-        prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`);
-            a solve is converged when its optimality gap is also at most 1e-5 nats per sample
-            (:data:`~frolic_tta.mixture_newton.KKT_TOL`, else Newton steps go on); one that
-            stops at its cap warns and is reported as ``converged: false``.
-        shift_evidence: how much evidence an imbalanced test prior needs: the constant
-            :math:`c` of the James-Stein shrinkage of the EM estimate towards uniform
-            (:class:`~frolic_tta.prior.TestPriorEstimate`), and of the preliminary test of the
-            uncorrected reading's weights where the label-bias test keeps it
-            (:mod:`frolic_tta.evidence`); ``0`` uses the EM estimates as they are.
+        prior_rounds: refits of the mixture once the balanced one shows an imbalanced test set
+            (``test_prior="em"``; :mod:`frolic_tta.prior` says how far each is solved).
+        prior_tol: tolerance of the mixture weights (L1 change of an EM step on :math:`\pi`),
+            converged once the optimality gap is also at most 1e-5 nats per sample
+            (:data:`~frolic_tta.mixture_newton.KKT_TOL`); a solve stopped at its cap warns.
+        shift_evidence: how much evidence an imbalanced test prior needs: :math:`c` of the
+            James-Stein shrinkage towards uniform (:class:`~frolic_tta.prior.TestPriorEstimate`)
+            and of the uncorrected reading's preliminary test (:mod:`frolic_tta.evidence`);
+            ``0`` uses the EM estimates as they are.
         beta_ratio_bound: largest :math:`\max_j\hat\beta_j / \min_j\hat\beta_j` of the zero-shot
             model's pre-training prior (a box on :math:`\ln\hat\beta`, :mod:`frolic_tta.matching`;
             classes at the box are reported as undetermined); ``None``: only ``prior_floor``.
@@ -109,6 +104,8 @@ class SolverOptions:
             this in one step (at most 2,000 steps); ``None``: InMaP's fixed 2,000 steps.
         temperature_tol: tolerance of the confidence matching that finds :math:`\tau_g`
             (Eq. 11, :func:`frolic_tta.match_temperature`'s ``tol``).
+        prior_cross_fit: the test prior's last weights solved on densities refitted on the
+            other half of the samples (:mod:`frolic_tta.cross_fit`); ``False``: in-sample.
 
     Example::
 
@@ -125,6 +122,7 @@ class SolverOptions:
     prior_floor: float = 1e-30
     inmap_tolerance: float | None = 1e-6
     temperature_tol: float = 1e-5
+    prior_cross_fit: bool = True
 
     def __post_init__(self) -> None:
         check_positive("shift_evidence", self.shift_evidence, allow_zero=True)
@@ -144,6 +142,8 @@ class SolverOptions:
         if self.inmap_tolerance is not None:
             check_positive("inmap_tolerance", self.inmap_tolerance)
         check_positive("temperature_tol", self.temperature_tol)
+        if not is_bool(self.prior_cross_fit):
+            raise TypeError(f"Expected `prior_cross_fit` a bool, but got {self.prior_cross_fit!r}")
         plain_numbers(self)
 
 

@@ -11,14 +11,11 @@ a model of the *images* that the text prior :math:`\beta` does not enter: its we
 :math:`\pi` without any assumption on :math:`\beta`.
 
 **Which mixture.** With ``head_labels="debiased"`` (the default) the mixture is the Gaussian head
-itself: its means and shared covariance are the soft scatter (:mod:`frolic_tta.gda`) under the
-*debiased zero-shot* posterior :math:`q_i = \mathrm{softmax}(f_c(x_i)/\tau_c - \ln\hat\beta_c)`,
-whose class masses are matched to the current prior (:mod:`frolic_tta.matching`), so the text
-bias no longer pulls the small classes' means towards the large ones. The same fit gives the
-test prior (its weights, below) and :math:`f_g` (its logits). With the paper's raw zero-shot
-head (``head_labels="zero_shot"``, Eqs. 4-8) the mixture is refitted under the debiased
-*fused* posterior :math:`\mathrm{softmax}(f_f - \ln\hat\beta)` instead. Either way ``source``
-names the logits whose debiased posterior weights the mixture.
+itself, fitted under the *debiased zero-shot* posterior :math:`\mathrm{softmax}(f_c/\tau_c -
+\ln\hat\beta_c)` whose class masses are matched to the current prior, so the text bias no
+longer pulls the small classes' means towards the large ones; one fit gives the test prior (its
+weights) and :math:`f_g` (its logits). With ``head_labels="zero_shot"`` (Eqs. 4-8) it is
+refitted under the debiased *fused* posterior. ``source`` names the logits weighting it.
 
 **The balanced refit and a test.** ``source`` is first matched to the balanced prior; the
 mixture is refitted under that debiased posterior (one pass :math:`q^\top X`), and its
@@ -34,22 +31,20 @@ a concave problem with one maximiser. Its likelihood ratio against uniform,
 :math:`w = \max(0, 1 - c(K-1)/\Lambda)` (``evidence`` :math:`c`, default 0.5) and
 :math:`\tilde\pi = \frac1K + w(\hat\pi - \frac1K)`. Components fitted under the balanced posterior
 lean towards uniform masses, so on balanced data :math:`\Lambda/(K-1)` stays far below its
-:math:`\chi^2` mean of 1; with :math:`w = 0` the result is the balanced solution and nothing
-more is done.
+:math:`\chi^2` mean of 1; with :math:`w = 0` the result is the balanced solution.
 
 **Refits.** Otherwise ``rounds`` times: match ``source`` to :math:`\tilde\pi`, refit the mixture
 under that posterior, solve its weights again and update :math:`w` from the new :math:`\Lambda`.
-Only the last refit's weights are the estimate; the balanced refit's and the intermediate
-rounds' only seed the next refit, so above 4,096 classes, where the solve's tail is block
-Newton steps, they stop once EM's passes gain little (``settle`` of
-:func:`~frolic_tta.mixture.mixture_weights`; ImageNet-21k, issue 35 item 2).
+Only the last refit's weights are the estimate: the others only seed the next refit, so above
+4,096 classes they stop once EM's passes gain little (``settle`` of
+:func:`~frolic_tta.mixture.mixture_weights`; ImageNet-21k, issue 35 item 2). Where each half of
+the samples outnumbers the means' parameters, the last weights are solved once more on
+densities refitted on the other half (:mod:`frolic_tta.cross_fit`; :math:`w` kept).
 
-**Exactness.** The estimate is a fixed, defined computation (the balanced refit, then
-``rounds`` refits), and every solve in it runs to its tolerance (or settles, above) with its
-stop test on reduced values, so 1, 2 or 3 processes, any chunk size and any thread count give
-the same prior up to rounding: the soft sums behind each refit are float64 where that is cheap
-(:mod:`frolic_tta.soft_sums`). ``converged`` reports whether every weight solve reached ``tol``
-(or settled).
+**Exactness.** Every solve runs to its tolerance (or settles) with its stop test on reduced
+values, and the soft sums behind each refit are float64 where that is cheap
+(:mod:`frolic_tta.soft_sums`): 1, 2 or 3 processes, any chunk size and any thread count give
+the same prior up to rounding. ``converged``: every weight solve reached ``tol`` (or settled).
 Shapes: N samples, K classes, d embedding dim.
 """
 
@@ -61,6 +56,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from frolic_tta.cross_fit import cross_fitted_weights
 from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
 from frolic_tta.logits import (
     DEFAULT_CHUNK_SIZE,
@@ -94,8 +90,7 @@ class TestPriorEstimate:
         rounds: refits after the balanced one (0: taken as balanced).
         passes: passes over the logits or features (each with one reduction).
         converged: every solve of the mixture weights reached ``tol`` or settled (the
-            matching of the logits reports its own convergence,
-            :class:`~frolic_tta.matching.MassMatch`).
+            matching reports its own, :class:`~frolic_tta.matching.MassMatch`).
         head: the last mixture refitted (its component log-likelihoods are in ``buffer``), or
             ``None`` where it could not be fitted.
     """
@@ -130,6 +125,7 @@ def estimate_test_prior(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     buffer: Tensor | None = None,
     start: Tensor | None = None,
+    cross_fit: bool = False,
 ) -> TestPriorEstimate:
     r"""The test prior :math:`\tilde\pi` and the matching of ``source`` to it (module
     docstring).
@@ -137,9 +133,7 @@ def estimate_test_prior(
     Args:
         features: ``(N_local, d)`` features of the local shard.
         prototypes: ``(K, d)``.
-        source: ``(N_local, K)`` logits of the local shard whose debiased posterior weights
-            the mixture: the zero-shot :math:`f_c/\tau_c` (``head_labels="debiased"``) or the
-            fused :math:`f_f` (Eq. 12).
+        source: ``(N_local, K)`` the logits whose debiased posterior weights the mixture.
         sums: reduced moment sums of all shards (count, first and second moments are used).
         shrinkage: of the mixture's covariance (:func:`~frolic_tta.gda.fit_gaussian_head`).
         evidence: :math:`c` of the shrinkage towards uniform; ``0`` keeps :math:`\hat\pi`.
@@ -148,8 +142,7 @@ def estimate_test_prior(
         match_eps: ``eps`` of :func:`~frolic_tta.matching.match_class_masses`.
         match_max_iter: its ``max_iter``.
         start_passes: cap on the balanced matching that seeds the first refit (default
-            :data:`START_PASSES`: only its posterior is used; ``match_max_iter`` where that
-            refit may be the final head).
+            :data:`START_PASSES`; ``match_max_iter`` where that refit may be the final head).
         prior_floor: :math:`\hat\beta_j, \tilde\pi_j \ge` ``prior_floor`` / K.
         bound: ``bound`` of the matching (:func:`~frolic_tta.matching.match_class_masses`).
         reduce_fn: sums a tensor over shards (identity by default).
@@ -158,6 +151,7 @@ def estimate_test_prior(
             (overwritten), or ``None``: recomputed from the features at every pass.
         start: ``(K,)`` the :math:`\hat\beta` the balanced matching starts from (default
             uniform; :func:`fit_test_prior`: the zero-shot class masses above 4,096 classes).
+        cross_fit: the last weights solved again on held-out densities (module docstring).
 
     Returns:
         :class:`TestPriorEstimate`.
@@ -229,6 +223,16 @@ def estimate_test_prior(
     prior = _shrunk(raw, weight, prior_floor)
     bias = match(prior, bias)
     passes += bias.evaluations
+    if cross_fit and weight > 0.0:  # the weights on held-out densities (frolic_tta.cross_fit)
+        kwargs = {"tol": tol, "reduce_fn": reduce_fn, "chunk_size": chunk_size, "buffer": buffer}
+        crossed = cross_fitted_weights(
+            features, prototypes, source, bias.log_offset, sums, fitted[-1], raw,
+            shrinkage=shrinkage, **kwargs,
+        )  # fmt: skip
+        if crossed is not None:
+            (raw, inner, done), prior = crossed, _shrunk(crossed[0], weight, prior_floor)
+            bias, converged = match(prior, bias), converged and done
+            passes += inner + bias.evaluations
     return TestPriorEstimate(prior, raw, weight, ratio, bias, rounds, passes, converged, fitted[-1])
 
 
@@ -251,11 +255,8 @@ def fit_test_prior(
 ) -> TestPriorEstimate:
     """:func:`estimate_test_prior` with the pipeline's ``options``; warns where a weight
     solve stopped at its cap. With ``head``, the mixture is the head itself: its labels'
-    matchings run to :data:`HEAD_LABELS_EPS` (the head, not only an offset, depends on them).
-    Above :data:`~frolic_tta.matching.FULL_HESSIAN_MAX_CLASSES` classes (a pass over 21k
-    classes, diagonal steps only) the balanced matching of the zero-shot logits starts from
-    their class masses :math:`m_c`, from the moment sums without a pass (issue 35 item 2's and
-    ``finalize.py``'s 21k worlds at N = 30,000: 2 to 4 passes fewer, 7 against 9-10 at 1e-6)."""
+    matchings run to :data:`HEAD_LABELS_EPS`; above 4,096 classes their balanced one starts
+    from the zero-shot class masses :math:`m_c` (21k worlds, N = 30,000: 7 passes, not 9-10)."""
     k = prototypes.shape[0]
     start = None
     if head and k > FULL_HESSIAN_MAX_CLASSES:
@@ -278,6 +279,7 @@ def fit_test_prior(
         chunk_size=chunk_size,
         buffer=buffer,
         start=start,
+        cross_fit=options.solver.prior_cross_fit,
     )
     if not estimate.converged:
         warnings.warn(
@@ -321,10 +323,8 @@ class Priors:
         beta_undetermined: ``(K,)`` bool, classes of ``beta`` the data do not determine.
         zero_shot_beta: ``(K,)`` the zero-shot model's pre-training label prior (Proposition 2
             on its own posterior :math:`f_c/\tau_c`), bounded by ``beta_ratio_bound``.
-        zero_shot_beta_undetermined: ``(K,)`` bool, its classes at the bound or not moved by
-            the data.
-        converged: every solve of the test prior reached its tolerance (``True`` when it was
-            not estimated).
+        zero_shot_beta_undetermined: ``(K,)`` bool, its classes at the bound or not moved.
+        converged: every solve of the test prior reached its tolerance (or none ran).
         rounds: refits of the mixture after the balanced one (0: treated as balanced).
         passes: passes of the test-prior estimate over the logits or features.
         label_bias_evidence: :math:`\ell_U - \ell_M - (K - 1)` in nats, the evidence of a

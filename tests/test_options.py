@@ -29,6 +29,7 @@ from frolic_tta.options import (
         ({"max_iter": 2.0}, TypeError, "Expected `max_iter` to be an int, but got 2.0"),
         ({"prior_rounds": -1}, ValueError, "Expected `prior_rounds` >= 0, but got -1"),
         ({"prior_tol": math.inf}, ValueError, "Expected `prior_tol` to be a finite number > 0"),
+        ({"prior_cross_fit": 1}, TypeError, "Expected `prior_cross_fit` a bool, but got 1"),
         ({"shift_evidence": -0.5}, ValueError, "Expected `shift_evidence` to be a finite number"),
         ({"beta_ratio_bound": 1.0}, ValueError, "Expected `beta_ratio_bound` > 1, but got 1.0"),
         ({"prior_floor": 1.0}, ValueError, "Expected `prior_floor` < 1, but got 1.0"),
@@ -48,7 +49,7 @@ def test_solver_defaults_and_the_method_choices_apart():
     assert asdict(SolverOptions()) == {
         "eps": 0.01, "max_iter": 100, "prior_rounds": 3, "prior_tol": 1e-7,
         "shift_evidence": 0.5, "beta_ratio_bound": 1e8, "prior_floor": 1e-30,
-        "inmap_tolerance": 1e-6, "temperature_tol": 1e-5,
+        "inmap_tolerance": 1e-6, "temperature_tol": 1e-5, "prior_cross_fit": True,
     }  # fmt: skip
     assert not set(SOLVER_FIELDS) & set(asdict(FrolicOptions()))
     assert frolic_tta.SolverOptions is SolverOptions and "SolverOptions" in frolic_tta.__all__

@@ -87,6 +87,7 @@ TUNING = frozenset(
         "model.options.solver.prior_floor",
         "model.options.solver.inmap_tolerance",
         "model.options.solver.temperature_tol",
+        "model.options.solver.prior_cross_fit",
         "data.feature_store_dtype",
         "data.feature_store_verify",
     }  # fmt: skip
@@ -102,7 +103,7 @@ HELP = {
     "model.head_file": "A run's head.pt or a --save_checkpoint file: score with its head, no "
     "adaptation; refused if fitted with another encoder or other prompts.",
     "model.options.test_prior": 'The test set\'s class prior π: "em" (estimated; balanced '
-    'unless the data show otherwise) or "uniform" (the paper\'s balanced test set).',
+    'unless the data show otherwise) or "uniform" (the paper\'s).',
     "model.options.zero_shot": 'The zero-shot classifier f_c: "text" (the text prototypes), '
     '"inmap" (InMaP\'s proxies, Tables 1-2\'s "InMaP + Frolic") or "inmap_both" (the '
     "released script).",
