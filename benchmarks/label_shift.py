@@ -48,6 +48,7 @@ from frolic_tta.synthetic import (
 CANDIDATES: dict[str, FrolicOptions] = {
     "default": FrolicOptions(),
     "summed fusion (Eq. 12, previous default)": FrolicOptions(fusion="matched"),
+    "test prior's weights in-sample": FrolicOptions(solver=SolverOptions(prior_cross_fit=False)),
     "raw head labels": FrolicOptions(head_labels="zero_shot"),
     "balanced test prior": FrolicOptions(test_prior="uniform"),
     "no shrinkage (evidence 0)": FrolicOptions(solver=SolverOptions(shift_evidence=0.0)),
@@ -60,6 +61,7 @@ CANDIDATES: dict[str, FrolicOptions] = {
 }
 """Frolic option sets whose f_d is reported in every world (the losing candidates beside the
 default: the previous default (Eq. 12's plain sum of the experts, ``fusion="matched"``), the
+test prior's last weights solved in-sample (``solver.prior_cross_fit=False``), the
 head under the raw zero-shot posterior (Eqs. 4-8), stricter
 or no shrinkage, fewer or more refits, the balanced assumption, the paper)."""
 
