@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import (  # data_span: here before, and imported from here
+from frolic_tta.gda import (  # data_span lived here: still imported from here
     RANK_TOLERANCE,
     GaussianHead,
     MomentSums,

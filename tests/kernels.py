@@ -54,6 +54,7 @@ NUMERIC = (
     "tests/test_sweeps.py",
     "tests/test_prototype_means.py",
     "tests/test_held_out.py",
+    "tests/test_cross_fit.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""

@@ -102,3 +102,32 @@ def fit_interleaved(world: Any, shards: int, **options: Any) -> tuple[list[torch
         index,
     )
     return index, fits
+
+
+def check_against_whole(world: Any, check: Callable[[Any, Any], None]) -> None:
+    """``fit_frolic`` of ``world`` on 2 and 3 interleaved shards, and with other chunkings
+    (777 rows; 3,000 rows without the kept logits), each against the whole set's fit: the same
+    tau_g to 1e-6 and the same predictions, and ``check(other, whole)`` (warnings silenced)."""
+    import warnings
+
+    import pytest
+
+    import frolic_tta
+
+    x, z = world.features, world.prototypes
+    pairs = []  # (fit, its predictions, the whole fit's of the same rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        whole = frolic_tta.fit_frolic(x, z)
+        for shards in (2, 3):
+            index, parts = fit_interleaved(world, shards)
+            for rows, part in zip(index, parts, strict=True):
+                pairs.append((part, part.logits.argmax(1), whole.logits[rows].argmax(1)))
+        expected = whole.head.debiased().logits(x).argmax(1)
+        for options in ({"chunk_size": 777}, {"keep_logits": False, "chunk_size": 3000}):
+            other = frolic_tta.fit_frolic(x, z, **options)
+            pairs.append((other, other.head.debiased().logits(x).argmax(1), expected))
+    for other, predictions, theirs in pairs:
+        assert other.head.tau_g == pytest.approx(whole.head.tau_g, rel=1e-6)
+        assert torch.equal(predictions, theirs)
+        check(other, whole)

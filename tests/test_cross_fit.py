@@ -18,7 +18,7 @@ from frolic_tta.inmap import convergence, fit_proxies
 from frolic_tta.logits import TensorLogits, identity_reduce
 from frolic_tta.pipeline import shard_moment_sums, text_test_prior
 from frolic_tta.synthetic import clip_like_world, clip_world, shifted_prior
-from tests.sharding import fit_interleaved
+from tests.sharding import check_against_whole
 
 IN_SAMPLE = {"solver": {"prior_cross_fit": False}}
 
@@ -120,24 +120,8 @@ def test_it_does_not_run_with_fewer_samples_than_mean_parameters():
     assert torch.equal(crossed.logits, in_sample.logits)
 
 
-def test_the_prior_is_the_same_on_one_two_and_three_shards(subset_world):
-    world = subset_world
-    whole = quiet(frolic_tta.fit_frolic, world.features, world.prototypes)
-    for shards in (2, 3):
-        index, parts = quiet(fit_interleaved, world, shards)
-        for rows, part in zip(index, parts, strict=True):
-            assert torch.allclose(part.priors.test_prior, whole.priors.test_prior, rtol=1e-6)
-            assert part.head.tau_g == pytest.approx(whole.head.tau_g, rel=1e-6)
-            assert torch.equal(part.logits.argmax(1), whole.logits[rows].argmax(1))
-
-
-def test_the_prior_is_the_same_for_any_chunking_and_without_kept_logits(subset_world):
-    world = subset_world
-    whole = quiet(frolic_tta.fit_frolic, world.features, world.prototypes)
-    expected = whole.head.debiased().logits(world.features).argmax(1)
-    for options in ({"chunk_size": 777}, {"keep_logits": False, "chunk_size": 3000}):
-        other = quiet(frolic_tta.fit_frolic, world.features, world.prototypes, **options)
+def test_the_prior_is_the_same_on_any_number_of_shards_and_any_chunking(subset_world):
+    def same_prior(other, whole):
         assert torch.allclose(other.priors.test_prior, whole.priors.test_prior, rtol=1e-6)
-        assert other.head.tau_g == pytest.approx(whole.head.tau_g, rel=1e-6)
-        predictions = other.head.debiased().logits(world.features).argmax(1)
-        assert torch.equal(predictions, expected)
+
+    check_against_whole(subset_world, same_prior)
