@@ -145,6 +145,7 @@ SLOW = {
     "tests/test_adaptation.py::test_transformers_clip_module_1_and_2_processes_equal_fit_frolic",
     "tests/test_adaptation.py::test_online_answers_and_feature_store_work_with_a_module_of_ones_own",
     "tests/test_class_names.py::test_the_issue_case_scores_against_the_true_classes",
+    "tests/test_cross_fit.py::test_the_default_passes_inmap_balanced_to_its_test_prior",
 }
 """Tests marked ``slow`` (their node id without parameters)."""
 

@@ -52,7 +52,6 @@ def test_the_classes_the_test_set_lacks_lose_their_mass(subset_world):
     assert accuracy[0] > accuracy[1] + 0.01, accuracy  # measured 0.9470 against 0.9323
 
 
-@pytest.mark.slow
 def test_the_default_passes_inmap_balanced_to_its_test_prior(subset_world):
     # benchmarks/peers.py's "InMaP balanced to pi-tilde" (its labels matched to the default's
     # test prior): measured 0.9447 against the default's 0.9470 (in-sample: 0.9450 and 0.9323)
