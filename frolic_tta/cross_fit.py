@@ -39,10 +39,11 @@ import torch
 from torch import Tensor
 
 from frolic_tta.folds import enough_samples, folds, refits_by_fold
-from frolic_tta.gda import GaussianHead, MomentSums, data_span, fit_gaussian_head
+from frolic_tta.gda import GaussianHead, MomentSums, fit_gaussian_head
 from frolic_tta.logits import LinearLogits, LogitSource, ReduceFn, compute_dtype, fill
 from frolic_tta.mixture import mixture_weights
 from frolic_tta.options import Shrinkage
+from frolic_tta.span import data_span
 
 
 class HeldOutDensities(LogitSource):

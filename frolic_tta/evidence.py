@@ -72,23 +72,23 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from frolic_tta.gda import (  # data_span lived here: still imported from here
+from frolic_tta.gda import (
     RANK_TOLERANCE,
     GaussianHead,
     MomentSums,
-    centred_scatter,
-    data_span,
     fit_gaussian_head,
     ridge_factor,
     shared_covariance,
 )
 from frolic_tta.logits import AffineMap, LogitSource, ReduceFn, TensorLogits, fill
 from frolic_tta.matching import floored, match_class_masses
-from frolic_tta.mixture import em_step, log_likelihood, mixture_weights
+from frolic_tta.mixture import em_pass_beside, em_step, log_likelihood, mixture_weights
 from frolic_tta.options import FrolicOptions
 from frolic_tta.prior import TestPriorEstimate
 from frolic_tta.shrinkage import oas_shrinkage, shrink
 from frolic_tta.soft_sums import posterior_sums, refitted_sums
+from frolic_tta.span import centred_scatter, data_span  # data_span: still imported from here
+from frolic_tta.weight_bound import SecondWeights, segment_bound
 
 
 @dataclass(frozen=True)
@@ -241,9 +241,15 @@ def compare_mixtures(
     source_m = model_m.source(features, chunk_size, exact)
     passes = 1
     if scratch is not None:  # M's passes read the scratch buffer (one product, not one a pass)
-        pi = masses  # once two by chunks have not settled it (module docstring)
-        for _ in range(2):
-            ell_m, left, pi = em_step(source_m, pi, reduce_fn)
+        # once two by chunks have not settled it (module docstring): at m_c, with the bound on
+        # the segment from m_c to U's weights (frolic_tta.weight_bound), then one EM step on
+        paired = SecondWeights(masses, floored(corrected_prior, prior_floor), exact)
+        pi, at, extra = em_pass_beside(source_m, masses, reduce_fn, paired.sums, paired.add)
+        ell_m = float(at.log_likelihood)
+        left = min(at.headroom(), segment_bound(float(at.count), at.gradient, extra) - ell_m)
+        for again in (False, True):
+            if again:
+                ell_m, left, pi = em_step(source_m, pi, reduce_fn)
             passes += 1
             if ell_u - (ell_m + terms_m + left) > penalty:  # less what M could still gain
                 return BiasEvidence(True, ell_u - ell_m - terms_m - left, penalty, passes=passes)

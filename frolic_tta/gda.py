@@ -215,25 +215,6 @@ class GaussianHead:
 RANK_TOLERANCE = 1e-6
 
 
-def data_span(sums: MomentSums) -> Tensor | None:
-    r"""``(d, r)`` an orthonormal basis of the span of the centred features (the eigenvectors of
-    the total covariance above :data:`RANK_TOLERANCE` of its mean eigenvalue),
-    or ``None`` where that is all of :math:`\mathbb R^d` (``r = 0``: identical features, where
-    the comparison keeps the corrected reading)."""
-    count, _, scatter = centred_scatter(sums)
-    total = scatter / count
-    values, vectors = torch.linalg.eigh(0.5 * (total + total.t()))
-    keep = values > RANK_TOLERANCE * float(values.clamp(min=0.0).sum()) / values.shape[0]
-    return None if bool(keep.all()) else vectors[:, keep]
-
-
-def centred_scatter(sums: MomentSums) -> tuple[float, Tensor, Tensor]:
-    r"""``(N, mean (d,), C (d, d))``, :math:`C = \sum_i (x_i-\hat\mu)(x_i-\hat\mu)^\top`."""
-    count = float(sums.count)
-    mean = sums.feature_sum / count
-    return count, mean, sums.outer_sum - count * torch.outer(mean, mean)
-
-
 def shared_covariance(
     sums: MomentSums,
     prototypes: Tensor,

@@ -60,7 +60,15 @@ class _MixtureSums:
         return headroom(float(self.count), self.optimality_gap())
 
 
-def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
+ChunkHook = Callable[[Tensor, Tensor, Tensor], None]
+r"""Called with each chunk's ``(e, top, norm)``: :math:`e_{ij} = \exp(g_{ij} - \max_k g_{ik})`
+``(n, K)``, :math:`\max_k g_{ik}` ``(n, 1)`` and :math:`(e w)_i` ``(n,)`` (:func:`_mixture_sums`);
+``e`` is overwritten after the call."""
+
+
+def _mixture_sums(
+    source: LogitSource, log_prior: Tensor, hook: ChunkHook | None = None
+) -> _MixtureSums:
     r"""One pass over the component log-likelihoods ``g`` of the local shard (float64 sums).
 
     One exponential per entry: with :math:`e_{ij} = \exp(g_{ij} - \max_k g_{ik})` and the
@@ -102,6 +110,8 @@ def _mixture_sums(source: LogitSource, log_prior: Tensor) -> _MixtureSums:
         else:  # (e w)_i and sum_j e_ij in one (n, K) x (K, 2) product: one read of e
             rows = exp @ both
             norm, plain = rows[:, 0].clamp_(min=tiny), rows[:, 1]
+        if hook is not None:
+            hook(exp, top, norm)
         total[0] += n
         top = top.squeeze(1).double()
         total[1] += (top + norm.log().double()).sum() + n * top_prior
@@ -341,11 +351,8 @@ def log_likelihood_beside(
     reduced in its one ``reduce_fn`` call: ``beside()``, a 1-D float64 tensor of the local
     shard, called once the pass is over (``source``'s chunks may gather it as they are read).
     Returns :math:`\ell(\pi)` and ``beside``'s sums over all shards."""
-    local = _mixture_sums(source, log_weights(prior)).pack()
-    extra = beside().to(local)
-    packed = reduce_fn(torch.cat([local, extra]))
-    sums = _MixtureSums.unpack(packed[: local.shape[0]])
-    return float(sums.log_likelihood), packed[local.shape[0] :]
+    _, sums, extra = em_pass_beside(source, prior, reduce_fn, beside)
+    return float(sums.log_likelihood), extra
 
 
 def em_step(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float, Tensor]:
@@ -359,10 +366,30 @@ def _em_pass(
     source: LogitSource, prior: Tensor, reduce_fn: ReduceFn
 ) -> tuple[Tensor, _MixtureSums]:
     """One reduced pass at ``prior`` ``(K,)``: the EM step from it and the pass's sums."""
-    local = _mixture_sums(source, log_weights(prior))
-    sums = _MixtureSums.unpack(reduce_fn(local.pack()))
+    step, sums, _ = em_pass_beside(source, prior, reduce_fn, _nothing)
+    return step, sums
+
+
+def _nothing() -> Tensor:
+    return torch.zeros(0, dtype=torch.float64)
+
+
+def em_pass_beside(
+    source: LogitSource,
+    prior: Tensor,
+    reduce_fn: ReduceFn,
+    beside: Callable[[], Tensor],
+    hook: ChunkHook | None = None,
+) -> tuple[Tensor, _MixtureSums, Tensor]:
+    """:func:`_em_pass` with ``beside()``'s sums reduced in the same call (as
+    :func:`log_likelihood_beside`), ``hook`` called on every chunk's exponentials:
+    ``(step, sums, beside's sums)``."""
+    local = _mixture_sums(source, log_weights(prior), hook).pack()
+    extra = beside().to(local)
+    packed = reduce_fn(torch.cat([local, extra]))
+    sums = _MixtureSums.unpack(packed[: local.shape[0]])
     new = sums.responsibility / sums.count
-    return new / new.sum(), sums
+    return new / new.sum(), sums, packed[local.shape[0] :]
 
 
 def log_weights(prior: Tensor) -> Tensor:

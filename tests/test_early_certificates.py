@@ -54,16 +54,44 @@ def test_covers_bound_holds_and_is_far_below_the_frank_wolfe_gap_on_hard_posteri
     assert bound < 0.2 * frank_wolfe  # at the skewed start: 3000 ln(1 + gap/N), not the gap
 
 
-def test_a_bias_settled_by_chunks_leaves_the_head_in_its_buffer(monkeypatch):
-    # K = 20, d = 32, N = 2,000, a planted text bias: U wins by about 1,100 nats, and M's first
-    # two passes (at m_c, one EM step on) prove it, computed by chunks: no product fills the
-    # buffer with M's components and none puts the head's logits back
-    world = clip_like_world(2000, 20, 32, noise=0.2, seed=0)
+def unbounded_first_passes(monkeypatch):
+    """The bias test as if M's first passes bounded nothing: M's solve in the buffer."""
+    step, beside = evidence.em_step, evidence.em_pass_beside
+
+    def first_pass(*args):
+        pi, at, extra = beside(*args)
+        named = ("log_likelihood", "count", "gradient")
+        blind = SimpleNamespace(**{n: getattr(at, n) for n in named}, headroom=lambda: math.inf)
+        return pi, blind, extra
+
+    monkeypatch.setattr(evidence, "em_pass_beside", first_pass)
+    monkeypatch.setattr(evidence, "segment_bound", lambda *a: math.inf)
+    monkeypatch.setattr(evidence, "em_step", lambda *a: (*step(*a)[:1], math.inf, step(*a)[2]))
+
+
+@pytest.mark.parametrize("size", [(2000, 20), (3000, 100)])
+def test_a_bias_settled_by_chunks_leaves_the_head_in_its_buffer(monkeypatch, size):
+    # d = 32, a planted text bias. K = 20: U wins by about 1,100 nats and M's first pass proves
+    # it. K = 100: U wins by about 4,500; Cover's bounds at m_c and one EM step on did not
+    # prove it (M's solve then ran in the buffer: 9 passes), the segment's from m_c to U's
+    # weights (frolic_tta.weight_bound) does in M's first pass. Computed by chunks: no product
+    # fills the buffer with M's components and none puts the head's logits back
+    world = clip_like_world(*size, 32, noise=0.2, seed=0)
     filled = []
     original = evidence.fill
     monkeypatch.setattr(evidence, "fill", lambda *a: filled.append(1) or original(*a))
+    passes = []
+    compare = evidence.compare_mixtures
+
+    def counted(*args, **kwargs):
+        outcome = compare(*args, **kwargs)
+        passes.append(outcome.passes)
+        return outcome
+
+    monkeypatch.setattr(evidence, "compare_mixtures", counted)
     early = quiet_fit(world)
     assert filled == [] and early.priors.label_bias_evidence > 0.0
+    assert passes[0] == 2  # U's likelihood and M's first pass
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         index, parts = fit_interleaved(world, 2)
@@ -73,8 +101,7 @@ def test_a_bias_settled_by_chunks_leaves_the_head_in_its_buffer(monkeypatch):
         assert torch.equal(part.logits.argmax(1), early.logits[rows].argmax(1))
     assert filled == []
     # the same fit where the first passes prove nothing: M's solve in the buffer, as before
-    step = evidence.em_step
-    monkeypatch.setattr(evidence, "em_step", lambda *a: (*step(*a)[:1], math.inf, step(*a)[2]))
+    unbounded_first_passes(monkeypatch)
     full = quiet_fit(world)
     assert len(filled) == 2 and full.priors.label_bias_evidence > 0.0
     assert torch.equal(early.logits, full.logits)
