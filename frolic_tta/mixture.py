@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -28,6 +28,8 @@ from frolic_tta.logits import (
     workspace,
 )
 from frolic_tta.mixture_newton import KKT_TOL, MAX_COLUMNS, headroom, newton_weights
+from frolic_tta.squarem import squarem_jump
+from frolic_tta.weight_bound import SecondWeights, segment_bound
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class _MixtureSums:
     uniform_log_likelihood: Tensor  # () sum_i lse(g_i) - N ln K
     responsibility: Tensor  # (K,) sum_i q_i
     gradient: Tensor  # (K,) d l / d pi_j = sum_i e^{g_ij} / sum_k pi_k e^{g_ik}
+    ceiling: float = math.inf  # a bound on max_pi l of the same pass (segment_pass), not packed
 
     def pack(self) -> Tensor:
         head = torch.stack([self.count, self.log_likelihood, self.uniform_log_likelihood])
@@ -56,8 +59,10 @@ class _MixtureSums:
         return float(self.gradient.max() / self.count) - 1.0
 
     def headroom(self) -> float:
-        """:func:`headroom` of this pass: what the weights can still gain."""
-        return headroom(float(self.count), self.optimality_gap())
+        """:func:`headroom` of this pass, or the segment's (:func:`segment_pass`) where lower:
+        what the weights can still gain."""
+        cover = headroom(float(self.count), self.optimality_gap())
+        return min(cover, self.ceiling - float(self.log_likelihood))
 
 
 ChunkHook = Callable[[Tensor, Tensor, Tensor], None]
@@ -145,43 +150,6 @@ of :math:`(K-1)/2` nats, the mean of :math:`\ell(\hat\pi) - \ell(\pi)` at the tr
 (:math:`\chi^2_{K-1}/2`): where EM converges at a rate of 0.9 a cycle or faster, what is left is
 then below 1 % of it, which puts the weights within a tenth of the estimate's own sampling
 spread of the maximiser (:math:`\sqrt{0.01}`, in the Fisher metric)."""
-LOG_STEP = 5.0
-r"""Largest change of one ln-weight in a jump in :math:`\ln\pi` (a factor of about 150)."""
-
-
-def _squarem_jump(pi: Tensor, first: Tensor, second: Tensor, tiny: float) -> Tensor:
-    r"""SQUAREM's S3 jump from ``pi`` through two EM steps ``first``, ``second`` ``(K,)``.
-
-    In the weights where the jump stays positive; where it would leave the simplex (weights
-    heading to 0: classes the test set lacks, e.g. fewer samples than classes), in
-    :math:`\ln\pi`, where EM's geometric decay of such a weight is a straight line that the
-    jump follows, its step length halved towards -1 until no weight moves by more than a
-    factor :math:`e^{5}` (:data:`LOG_STEP`). Before, such jumps were dropped for the plain EM
-    step: 500 passes without converging at K = 1,000, N = 500. ``second`` where the steps do
-    not move.
-    """
-    r, v = first - pi, second - 2 * first + pi
-    norm_v = float(v.norm())
-    if norm_v == 0.0:
-        return second
-    alpha = min(-float(r.norm()) / norm_v, -1.0)
-    jump = pi - 2.0 * alpha * r + alpha * alpha * v
-    if bool((jump > 0).all()):
-        return jump / jump.sum()
-    logs = [p.clamp(min=tiny).log() for p in (pi, first, second)]
-    r, v = logs[1] - logs[0], logs[2] - 2 * logs[1] + logs[0]
-    norm_v = float(v.norm())
-    if norm_v == 0.0:
-        return second
-    alpha = min(-float(r.norm()) / norm_v, -1.0)
-    for _ in range(60):  # at most a factor e^LOG_STEP per weight: halve towards alpha = -1
-        step = -2.0 * alpha * r + alpha * alpha * v
-        if float(step.abs().max()) <= LOG_STEP or alpha == -1.0:
-            break
-        alpha = max((alpha - 1.0) / 2.0, -1.0) if alpha < -1.0 else -1.0
-    return torch.softmax(logs[0] + step, dim=0)
-
-
 def mixture_weights(
     source: LogitSource,
     init: Tensor | None = None,
@@ -193,6 +161,7 @@ def mixture_weights(
     ceiling: float | None = None,
     lift: Callable[[], float] | None = None,
     settle: bool = False,
+    towards: Tensor | None = None,
 ) -> tuple[Tensor, float, int, bool]:
     r"""Maximum-likelihood mixture weights for fixed component log-likelihoods.
 
@@ -239,6 +208,8 @@ def mixture_weights(
             the block steps' tail (issue 35, item 2's 21k world at N = 30,000: the three
             seeding solves 9, 3 and 3 passes instead of 27, 18 and 14). Elsewhere it changes
             nothing.
+        towards: ``(K,)`` positive weights: every pass also bounds what is left on the segment
+            from its weights to these (:func:`segment_pass`), for ``below`` and ``ceiling``.
 
     Returns:
         ``(pi (K,), Lambda, passes, converged)`` with :math:`\Lambda = 2(\ell(\hat\pi) -
@@ -250,7 +221,9 @@ def mixture_weights(
     pi = torch.full((k,), 1.0 / k, dtype=torch.float64) if init is None else init.double()
 
     def step(prior: Tensor) -> tuple[Tensor, _MixtureSums]:
-        return _em_pass(source, prior, reduce_fn)
+        if towards is None:
+            return _em_pass(source, prior, reduce_fn)
+        return segment_pass(source, prior, towards, reduce_fn)
 
     def lam(at: _MixtureSums, gap: float = 0.0) -> float:  # Lambda at pi (+ gap: a bound)
         return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap)
@@ -306,7 +279,7 @@ def mixture_weights(
         if certain(at_first, first):  # settled one EM step on: not the jump's pass
             pi, at_pi, converged = first, at_first, True
             break
-        candidate = _squarem_jump(pi, first, second, tiny)
+        candidate = squarem_jump(pi, first, second, tiny)
         after, at_candidate = step(candidate)
         passes += 1
         if candidate is not second and float(at_candidate.log_likelihood) < float(
@@ -372,6 +345,17 @@ def _em_pass(
 
 def _nothing() -> Tensor:
     return torch.zeros(0, dtype=torch.float64)
+
+
+def segment_pass(
+    source: LogitSource, prior: Tensor, towards: Tensor, reduce_fn: ReduceFn
+) -> tuple[Tensor, _MixtureSums]:
+    r""":func:`_em_pass` whose sums also bound :math:`\max_\pi \ell` on the segment from
+    ``prior`` to ``towards`` (positive; :mod:`frolic_tta.weight_bound`), in the same pass and
+    reduction: their ``headroom()`` is the lower of that and Cover's."""
+    paired = SecondWeights(prior, towards, source.exact)
+    step, sums, extra = em_pass_beside(source, prior, reduce_fn, paired.sums, paired.add)
+    return step, replace(sums, ceiling=segment_bound(float(sums.count), sums.gradient, extra))
 
 
 def em_pass_beside(

@@ -55,6 +55,7 @@ NUMERIC = (
     "tests/test_prototype_means.py",
     "tests/test_held_out.py",
     "tests/test_cross_fit.py",
+    "tests/test_weight_bound.py",
 )
 """Test files that compare numbers: against a float64 reference, saved values, or across
 shards, chunkings and processes."""

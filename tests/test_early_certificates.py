@@ -55,18 +55,17 @@ def test_covers_bound_holds_and_is_far_below_the_frank_wolfe_gap_on_hard_posteri
 
 
 def unbounded_first_passes(monkeypatch):
-    """The bias test as if M's first passes bounded nothing: M's solve in the buffer."""
-    step, beside = evidence.em_step, evidence.em_pass_beside
+    """The bias test as if M's two passes by chunks bounded nothing: M's solve in the buffer."""
+    segment, calls = evidence.segment_pass, []
 
-    def first_pass(*args):
-        pi, at, extra = beside(*args)
-        named = ("log_likelihood", "count", "gradient")
-        blind = SimpleNamespace(**{n: getattr(at, n) for n in named}, headroom=lambda: math.inf)
-        return pi, blind, extra
+    def blind(*args):
+        pi, at = segment(*args)
+        calls.append(1)
+        if len(calls) > 2:
+            return pi, at
+        return pi, SimpleNamespace(log_likelihood=at.log_likelihood, headroom=lambda: math.inf)
 
-    monkeypatch.setattr(evidence, "em_pass_beside", first_pass)
-    monkeypatch.setattr(evidence, "segment_bound", lambda *a: math.inf)
-    monkeypatch.setattr(evidence, "em_step", lambda *a: (*step(*a)[:1], math.inf, step(*a)[2]))
+    monkeypatch.setattr(evidence, "segment_pass", blind)
 
 
 @pytest.mark.parametrize("size", [(2000, 20), (3000, 100)])

@@ -103,9 +103,10 @@ def test_a_constant_coordinate_does_not_enter_the_comparison():
 def test_a_planted_text_bias_is_corrected(seed):
     # the README's world: a modality gap and a per-class text bias; the corrected mixture is
     # hundreds of nats more likely (450 to 550 above K - 1 = 19 with M's weights solved to the
-    # end; the lower bound at which M's solve stops: 73 to 316)
+    # end). M's solve stops once that is certain: the evidence is then a lower bound (14 to 143
+    # nats where the segment's bound stops it, frolic_tta.weight_bound; 73 to 346 before)
     result = fit(clip_world(num_samples=2000, seed=seed))
-    assert result.priors.label_bias_evidence > 50.0
+    assert result.priors.label_bias_evidence > 0.0
     off = fit(clip_world(num_samples=2000, seed=seed), bias_test="off")
     assert torch.equal(result.logits, off.logits)  # the same fit as before the test
 

@@ -89,3 +89,20 @@ def test_the_segment_bound_is_the_float64_formula_on_any_chunking_and_shards(exa
     assert abs(parts[0][2] - reference) <= tol
     if not exact:  # measured within 3e-4 nats of each other, the bound at 2,757
         assert tol < 1e-4 * abs(reference)
+
+
+def test_a_solve_stops_at_its_ceiling_sooner_and_never_below_the_maximum():
+    source = TensorLogits(separated_world(), 1000)
+    best, *_ = mixture_weights(source, tol=1e-13)
+    top = log_likelihood(source, best, identity_reduce)[0]
+    high = torch.tensor([0.7, 0.05, 0.05, 0.05, 0.1, 0.05], dtype=torch.float64)
+    low = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1], dtype=torch.float64)
+    # l-hat <= top + 200 is certain one pass sooner on the segment to `low` (2 against 3)
+    plain = mixture_weights(source, high, ceiling=top + 200.0)
+    paired = mixture_weights(source, high, ceiling=top + 200.0, towards=low)
+    assert plain[3] and paired[3] and paired[2] < plain[2]
+    # a ceiling under the maximum is never certain: both solve to the same maximiser
+    plain = mixture_weights(source, high, ceiling=top - 1.0, tol=1e-12)
+    paired = mixture_weights(source, high, ceiling=top - 1.0, tol=1e-12, towards=low)
+    for weights, *_ in (plain, paired):
+        assert log_likelihood(source, weights, identity_reduce)[0] == pytest.approx(top, abs=1e-6)
