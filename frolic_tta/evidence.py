@@ -50,8 +50,7 @@ the posteriors are hard: at ImageNet size the first pass decides (benchmark worl
 against 77,600; ``tests/test_early_certificates.py``'s K = 100 world: 2 passes, 9 before).
 Where :math:`\ell_M(\pi)` passes that mark, U at its own maximum-likelihood weights
 (``refit``) runs, and :math:`\ell_U` is the larger of the two in the solve's stop test from
-there on. U's
-likelihood reads the head's logits (:func:`head_terms`) where the features span
+there on. U's likelihood reads the head's logits (:func:`head_terms`) where the features span
 :math:`\mathbb R^d`, else takes a product.
 
 **The two densities** (:func:`mixture_model`) are built from each head's means and label
