@@ -33,13 +33,19 @@ def separated_world(seed=0, n=3000):
     return -0.5 * (x[:, None] - centres[None, :]) ** 2
 
 
-def test_the_segment_bound_holds_and_beats_covers_bound_at_both_ends():
+def separated_problem():
+    """``(source, maximiser, max l, low, high)``: weights off on opposite sides of the
+    maximiser, whose gradients peak at different classes."""
     source = TensorLogits(separated_world(), 1000)
     best, *_ = mixture_weights(source, tol=1e-13)
     top = log_likelihood(source, best, identity_reduce)[0]
-    # weights off on opposite sides of the maximiser: the gradients peak at different classes
     low = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1], dtype=torch.float64)
     high = torch.tensor([0.7, 0.05, 0.05, 0.05, 0.1, 0.05], dtype=torch.float64)
+    return source, best, top, low, high
+
+
+def test_the_segment_bound_holds_and_beats_covers_bound_at_both_ends():
+    source, best, top, low, high = separated_problem()
     for first, second in ((low, high), (high, low), (low, torch.full((6,), 1 / 6).double())):
         ell, cover, bound = segment(source, first, second)
         other = log_likelihood(source, second, identity_reduce)
@@ -92,11 +98,7 @@ def test_the_segment_bound_is_the_float64_formula_on_any_chunking_and_shards(exa
 
 
 def test_a_solve_stops_at_its_ceiling_sooner_and_never_below_the_maximum():
-    source = TensorLogits(separated_world(), 1000)
-    best, *_ = mixture_weights(source, tol=1e-13)
-    top = log_likelihood(source, best, identity_reduce)[0]
-    high = torch.tensor([0.7, 0.05, 0.05, 0.05, 0.1, 0.05], dtype=torch.float64)
-    low = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1], dtype=torch.float64)
+    source, _, top, low, high = separated_problem()
     # l-hat <= top + 200 is certain one pass sooner on the segment to `low` (2 against 3)
     plain = mixture_weights(source, high, ceiling=top + 200.0)
     paired = mixture_weights(source, high, ceiling=top + 200.0, towards=low)
