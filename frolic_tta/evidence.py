@@ -69,6 +69,7 @@ Shapes: N samples, K classes, d embedding dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -245,9 +246,10 @@ def compare_mixtures(
     passes = 1
     if scratch is not None:  # M's passes read the scratch buffer (one product, not one a pass)
         # once two by chunks (at m_c, then one EM step on) have not settled it
-        pi = masses
-        for _ in range(2):
-            pi, at = segment_pass(source_m, pi, towards, reduce_fn)
+        pi, ell_m = masses, -math.inf
+        for _ in range(2):  # the segment only while it can stop the solve (as mixture_weights)
+            spent = ell_m + terms_m > ell_u - penalty
+            pi, at = segment_pass(source_m, pi, None if spent else towards, reduce_fn)
             ell_m, left = float(at.log_likelihood), at.headroom()
             passes += 1
             if ell_u - (ell_m + terms_m + left) > penalty:  # less what M could still gain

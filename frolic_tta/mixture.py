@@ -150,6 +150,8 @@ of :math:`(K-1)/2` nats, the mean of :math:`\ell(\hat\pi) - \ell(\pi)` at the tr
 (:math:`\chi^2_{K-1}/2`): where EM converges at a rate of 0.9 a cycle or faster, what is left is
 then below 1 % of it, which puts the weights within a tenth of the estimate's own sampling
 spread of the maximiser (:math:`\sqrt{0.01}`, in the Fisher metric)."""
+
+
 def mixture_weights(
     source: LogitSource,
     init: Tensor | None = None,
@@ -220,10 +222,15 @@ def mixture_weights(
     tiny = torch.finfo(torch.float64).tiny
     pi = torch.full((k,), 1.0 / k, dtype=torch.float64) if init is None else init.double()
 
+    last: list[_MixtureSums] = []  # the latest pass's sums
+
     def step(prior: Tensor) -> tuple[Tensor, _MixtureSums]:
-        if towards is None:
-            return _em_pass(source, prior, reduce_fn)
-        return segment_pass(source, prior, towards, reduce_fn)
+        # the segment only while it can still stop the solve: once l(pi) has passed the mark
+        # (below, the ceiling's), no bound on max l can put it under (M's solve where M wins)
+        spent = bool(last) and below is not None and lam(last[0]) > below
+        new, at = segment_pass(source, prior, None if spent else towards, reduce_fn)
+        last[:] = [at]
+        return new, at
 
     def lam(at: _MixtureSums, gap: float = 0.0) -> float:  # Lambda at pi (+ gap: a bound)
         return 2.0 * (float(at.log_likelihood - at.uniform_log_likelihood) + gap)
@@ -348,11 +355,13 @@ def _nothing() -> Tensor:
 
 
 def segment_pass(
-    source: LogitSource, prior: Tensor, towards: Tensor, reduce_fn: ReduceFn
+    source: LogitSource, prior: Tensor, towards: Tensor | None, reduce_fn: ReduceFn
 ) -> tuple[Tensor, _MixtureSums]:
     r""":func:`_em_pass` whose sums also bound :math:`\max_\pi \ell` on the segment from
     ``prior`` to ``towards`` (positive; :mod:`frolic_tta.weight_bound`), in the same pass and
-    reduction: their ``headroom()`` is the lower of that and Cover's."""
+    reduction: their ``headroom()`` is the lower of that and Cover's (``None``: Cover's)."""
+    if towards is None:
+        return _em_pass(source, prior, reduce_fn)
     paired = SecondWeights(prior, towards, source.exact)
     step, sums, extra = em_pass_beside(source, prior, reduce_fn, paired.sums, paired.add)
     return step, replace(sums, ceiling=segment_bound(float(sums.count), sums.gradient, extra))

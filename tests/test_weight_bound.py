@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from frolic_tta import mixture
 from frolic_tta.logits import TensorLogits, identity_reduce
 from frolic_tta.mixture import em_pass_beside, log_likelihood, mixture_weights
 from frolic_tta.weight_bound import GRID, SecondWeights, segment_bound
@@ -97,7 +98,7 @@ def test_the_segment_bound_is_the_float64_formula_on_any_chunking_and_shards(exa
         assert tol < 1e-4 * abs(reference)
 
 
-def test_a_solve_stops_at_its_ceiling_sooner_and_never_below_the_maximum():
+def test_a_solve_stops_at_its_ceiling_sooner_and_never_below_the_maximum(monkeypatch):
     source, _, top, low, high = separated_problem()
     # l-hat <= top + 200 is certain one pass sooner on the segment to `low` (2 against 3)
     plain = mixture_weights(source, high, ceiling=top + 200.0)
@@ -105,6 +106,12 @@ def test_a_solve_stops_at_its_ceiling_sooner_and_never_below_the_maximum():
     assert plain[3] and paired[3] and paired[2] < plain[2]
     # a ceiling under the maximum is never certain: both solve to the same maximiser
     plain = mixture_weights(source, high, ceiling=top - 1.0, tol=1e-12)
+    segments = []
+    monkeypatch.setattr(
+        mixture, "SecondWeights", lambda *a: segments.append(1) or SecondWeights(*a)
+    )
     paired = mixture_weights(source, high, ceiling=top - 1.0, tol=1e-12, towards=low)
     for weights, *_ in (plain, paired):
         assert log_likelihood(source, weights, identity_reduce)[0] == pytest.approx(top, abs=1e-6)
+    # and the segment is read only until l(pi) passes the ceiling: no bound can help after it
+    assert 0 < len(segments) < paired[2]
