@@ -129,6 +129,33 @@ def overhead_section(
 
 
 # ---------------------------------------------------------------- 2. finalize
+def checkouts_section(p: dict[str, Any] | None) -> str:
+    """``benchmarks/checkouts.py``: ``fit_frolic`` of two checkouts, alternating."""
+    if p is None:
+        return NOT_RUN.format("python benchmarks/checkouts.py OLD_ROOT")
+    rows = []
+    for geometry, run in p.items():
+        machine, size = run["machine"], " × ".join(f"{v:,}" for v in run["size"])
+        for row in run["rows"]:
+            walls = row["walls"]
+            rows.append(
+                [
+                    f"{geometry}, {size}",
+                    row["checkout"],
+                    row["median_s"],
+                    f"{min(walls):.3f}–{max(walls):.3f} ({len(walls)})",
+                    f"{row['accuracy']:.4f}",
+                    f"{machine['date']}, {machine['cpu']}",
+                ]
+            )
+    headers = ["world", "checkout", "fit_frolic s (median)", "range (fits)", "accuracy", "run"]
+    return (
+        "Against another checkout (`python benchmarks/checkouts.py OLD_ROOT`: each checkout's "
+        "fits in its own process, A B B A, on the same world and moments as the case above; "
+        "`fit_frolic` alone):\n\n" + markdown_table(headers, rows)
+    )
+
+
 def finalize_section(p: dict[str, Any] | None, gpu_row: bool = False) -> str:
     if p is None:
         return NOT_RUN.format("python benchmarks/finalize.py")
@@ -497,6 +524,7 @@ def section(suffix: str = "") -> str:
         "python benchmarks/store.py       # 5. refit from a feature store (ImageNet size)",
         "python benchmarks/soft_sums.py   # float64 soft sums: their cost, what they buy",
         "python benchmarks/exp_flush.py   # flushed_exp against torch.exp (CPU)",
+        "python benchmarks/checkouts.py OLD_ROOT  # fit_frolic here against another checkout",
         "python benchmarks/label_shift.py # method: the test-prior table (about 20 min)",
         "python benchmarks/pretrained_bias.py  # method: the trained digits model",
         "python benchmarks/inmap.py       # method: InMaP's cost",
@@ -519,6 +547,8 @@ def section(suffix: str = "") -> str:
         finalize_section(fin, gpu_row=fin_gpu is None),
         "",
         *(["GPU:", "", finalize_section(fin_gpu), "", GPU_NOTE, ""] if fin_gpu else []),
+        checkouts_section(read_result("checkouts")),
+        "",
         "## 3. DDP: 1 vs 2 processes",
         "",
         ddp_section(read_result("ddp" + suffix)),
