@@ -18,7 +18,8 @@ of the Table 3/4 rows, the test prior's shift weight w, and the two margins.
 
 The other side of the label-bias test (its misses, docs/method.md): worlds with a planted text
 bias at low signal (``clip_like_world``; the ImageNet-like geometry of ``finalize.py`` at
-d = 64), the default's f_d beside f_d with the bias always removed (``bias_test="off"``).
+d = 64), the default's f_d beside f_d with the bias always removed (``bias_test="off"``);
+one of them at N = 2,000, 8,000 and 32,000, where more samples make the miss stronger.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def score(world, **options) -> dict[str, float]:
 LOW_SIGNAL = {  # clip_like_world: modality gap, planted text bias (tests/test_evidence.py)
     "clip_like K=6 d=16 N=600 long-tailed:10 seed 2": (600, 6, 16, "long-tailed:10", 2),
     "clip_like K=50 d=32 N=2000 balanced seed 0": (2000, 50, 32, None, 0),
+    # the same world with more samples: the raw labels win by more (not a small-sample miss)
+    "clip_like K=50 d=32 N=8000 balanced seed 0": (8000, 50, 32, None, 0),
+    "clip_like K=50 d=32 N=32000 balanced seed 0": (32000, 50, 32, None, 0),
 }
 
 
