@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("roots", nargs="+", help="source trees; this checkout if one is given")
     parser.add_argument("--geometry", default="imagenet-like", help="common.clip_like's")
     parser.add_argument("--size", type=int, nargs=3, default=(50_000, 1_000, 512))
-    parser.add_argument("--rounds", type=int, default=2, help="A B B A rounds, halved")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, every other one reversed")
     parser.add_argument("--repeats", type=int, default=4, help="timed fits per process")
     parser.add_argument("--labels", nargs="+", help="the first roots' names (else git commits)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -80,6 +80,11 @@ def main() -> None:
         child(args.child, args.geometry, tuple(args.size), args.repeats)
         return
     roots = args.roots if len(args.roots) > 1 else [args.roots[0], str(common.ROOT)]
+    roots = [str(Path(root).resolve()) for root in roots]  # the workers run from the repo root
+    labels = list(args.labels or [])
+    if len(labels) > len(roots):
+        raise SystemExit(f"expected at most {len(roots)} labels, one a root; got {len(labels)}")
+    labels += [label(root) for root in roots[len(labels) :]]
     info = common.machine_info()  # the load before the runs
     walls: dict[str, list[float]] = {root: [] for root in roots}
     accuracy: dict[str, float] = {}
@@ -91,10 +96,6 @@ def main() -> None:
             walls[root] += result["walls"]
             accuracy[root] = result["accuracy"]
             print(root, [round(w, 3) for w in result["walls"]], flush=True)
-    labels = list(args.labels or [])
-    if len(labels) > len(roots):
-        raise SystemExit(f"expected at most {len(roots)} labels, one a root; got {len(labels)}")
-    labels += [label(root) for root in roots[len(labels) :]]
     rows = []
     for root, name in zip(roots, labels, strict=True):
         median = statistics.median(walls[root])
