@@ -320,8 +320,8 @@ def log_likelihood(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> t
         prior: ``(K,)`` the weights :math:`\pi` (positive).
         reduce_fn: sums a tensor over shards.
     """
-    ell, room, _ = em_step(source, prior, reduce_fn)
-    return ell, room
+    _, sums = _em_pass(source, prior, reduce_fn)
+    return float(sums.log_likelihood), sums.headroom()
 
 
 def log_likelihood_beside(
@@ -333,13 +333,6 @@ def log_likelihood_beside(
     Returns :math:`\ell(\pi)` and ``beside``'s sums over all shards."""
     _, sums, extra = em_pass_beside(source, prior, reduce_fn, beside)
     return float(sums.log_likelihood), extra
-
-
-def em_step(source: LogitSource, prior: Tensor, reduce_fn: ReduceFn) -> tuple[float, float, Tensor]:
-    r""":func:`log_likelihood`'s pass, with the EM step it gives: ``(l(pi), headroom, pi')``,
-    :math:`\pi' = \frac1N\sum_i r_i` ``(K,)`` (the step of :func:`mixture_weights`)."""
-    step, sums = _em_pass(source, prior, reduce_fn)
-    return float(sums.log_likelihood), sums.headroom(), step
 
 
 def _em_pass(
