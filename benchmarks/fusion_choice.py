@@ -113,23 +113,34 @@ def held_out(
     for f, test in enumerate(folds):
         others = [fold for g, fold in enumerate(folds) if g != f]
         train = torch.cat(others) if others else test
-        xs, qs = x[train], labels[train]
-        mean = xs.mean(0)
-        masses = qs.sum(0)
-        means = (qs.t() @ xs) / masses.clamp(min=1e-300)[:, None]
-        centred = means - mean
-        scatter = (xs - mean).t() @ (xs - mean) / len(train)
-        within = scatter - (centred * (masses / len(train))[:, None]).t() @ centred
-        y = x[test] - mean
-        if span is not None:
-            within, y, centred = span.t() @ within @ span, y @ span, centred @ span
-        factor = torch.linalg.cholesky(0.5 * (within + within.t()))
-        weight = torch.cholesky_solve(centred.t(), factor).t()
-        g = y @ weight.t() - 0.5 * (centred * weight).sum(1)
-        quad = 0.5 * (y.t() * torch.cholesky_solve(y.t(), factor)).sum(0)
-        log_det = torch.log(factor.diagonal()).sum()
-        out[test] = torch.logsumexp(g + prior.log(), 1) - quad - log_det
+        out[test] = refit_scores(x[train], labels[train], x[test], prior, span)
     return out
+
+
+def refit_scores(
+    train: torch.Tensor,
+    labels: torch.Tensor,
+    test: torch.Tensor,
+    prior: torch.Tensor,
+    span: torch.Tensor | None,
+) -> torch.Tensor:
+    r"""``test``'s rows scored by the mixture refitted on ``train`` under its soft ``labels``
+    (means, shared covariance on ``span``, weights ``prior``; float64)."""
+    mean = train.mean(0)
+    masses = labels.sum(0)
+    means = (labels.t() @ train) / masses.clamp(min=1e-300)[:, None]
+    centred = means - mean
+    scatter = (train - mean).t() @ (train - mean) / train.shape[0]
+    within = scatter - (centred * (masses / train.shape[0])[:, None]).t() @ centred
+    y = test - mean
+    if span is not None:
+        within, y, centred = span.t() @ within @ span, y @ span, centred @ span
+    factor = torch.linalg.cholesky(0.5 * (within + within.t()))
+    weight = torch.cholesky_solve(centred.t(), factor).t()
+    g = y @ weight.t() - 0.5 * (centred * weight).sum(1)
+    quad = 0.5 * (y.t() * torch.cholesky_solve(y.t(), factor)).sum(0)
+    log_det = torch.log(factor.diagonal()).sum()
+    return torch.logsumexp(g + prior.log(), 1) - quad - log_det
 
 
 def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
