@@ -7,7 +7,11 @@ against 3,200 there, so the pooled fusion stays, while the head alone is right o
 more of the samples in all 15 fits (``benchmarks/fusion_choice.py --clip-full``): the margin
 overstates the optimism of refitting under the head's own labels (issue 35, items 4-5).
 
-A held-out likelihood has no optimism to pay for. The samples are split in two folds by a hash
+A held-out likelihood does not pay the refit's own optimism. (The candidates' labels still come
+from the fit on all samples, so it is no leak-free test of the classifiers: labelled by fits
+that did not see the scoring fold, it ranks them against their accuracy in some of the worlds
+measured; docs/method.md, Default 6, ``benchmarks/trend_leakage.py``.) The samples are split in
+two folds by a hash
 of their values' leading bits (:func:`~frolic_tta.folds.folds`: the same fold on any shard, in
 any row order or chunking, and almost always under another CPU kernel set's last bits); the
 mixture refitted under each candidate's labels on one fold (its soft sums, :math:`\Sigma` the
