@@ -32,7 +32,9 @@ and the digits model of ``peers.py --quick``. ``--clip-full``: only the CLIP-lik
 ``peers.py``'s full size (N = 20,000, the 30 % world too, 3 seeds) and ``label_shift.py``'s two
 ImageNet-size worlds (N = 50,000, K = 1,000, d = 512, 1 seed; about 5 minutes), written to
 ``fusion_choice_clip_full.json``. ``--sweep``: only ``no_harm_sweep.py``'s means worlds (3 seeds,
-every K; about 8 minutes), ``fusion_choice_sweep.json``.
+every K; about 8 minutes), ``fusion_choice_sweep.json``. ``--large``: only means worlds large
+enough for the held-out trend (K = 50, N = 20,000 and K = 100, N = 30,000; every test set, 3
+seeds; about a minute), ``fusion_choice_large.json``.
 
 The last lines sum what the trend changes against the margin alone (the default's f_d, but
 this script's pooled candidate where the trend switched): the library's trend (its hashed folds,
@@ -56,7 +58,7 @@ from label_shift import build, world_specs
 import frolic_tta
 from frolic_tta.evidence import data_span
 from frolic_tta.prototype_means import LEVEL
-from frolic_tta.synthetic import clip_world
+from frolic_tta.synthetic import clip_world, means_world, shifted_prior
 
 CLIP_WORLDS = ("clip balanced", "clip long-tailed 10", "clip long-tailed 100", "clip natural")
 Case = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor, float]
@@ -80,6 +82,26 @@ def sweep_worlds(seeds: int) -> Iterator[Case]:
     for spec, world in swept(seeds):
         name = f"means K={spec['k']} d={spec['d']} N={spec['n']} {spec['kind']} {spec['noise']}"
         yield name, spec["seed"], world.features, world.prototypes, world.labels, 0.01
+
+
+LARGE = ((50, 64, 20000, 0.45), (100, 128, 30000, 0.3))
+"""``--large``: means worlds (K, d, N, noise) where each fold outnumbers the means' parameters
+(N/2 > K r), so the held-out trend is read; zero-shot 0.47-0.49 and 0.76-0.77."""
+
+
+def large_worlds(seeds: int) -> Iterator[Case]:
+    """Means worlds at :data:`LARGE`'s sizes, every test set of ``no_harm_sweep.py``."""
+    from no_harm_sweep import KINDS
+
+    for k, d, n, noise in LARGE:
+        for kind in KINDS:
+            for seed in range(seeds):
+                prior = shifted_prior(kind, k, seed) if kind.startswith("long") else None
+                world = means_world(
+                    n, k, d, noise, seed=seed, test_prior=prior, sample=kind == "natural"
+                )
+                name = f"means K={k} d={d} N={n} {kind} {noise}"
+                yield name, seed, world.features, world.prototypes, world.labels, 0.01
 
 
 def worlds(seeds: int) -> Iterator[Case]:
@@ -237,6 +259,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed")
     parser.add_argument("--clip-full", action="store_true", help="CLIP-like worlds, N = 20,000")
     parser.add_argument("--sweep", action="store_true", help="no_harm_sweep.py's means worlds")
+    parser.add_argument("--large", action="store_true", help="means worlds with N/2 > K r")
     args = parser.parse_args()
     info = common.machine_info()
     runs = []
@@ -244,6 +267,8 @@ def main() -> None:
     cases = clip_worlds(seeds, full=True) if args.clip_full else worlds(seeds)
     if args.sweep:
         cases = sweep_worlds(seeds)
+    if args.large:
+        cases = large_worlds(seeds)
     for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
@@ -268,6 +293,7 @@ def main() -> None:
     payload = {"machine": common.finish_info(info), "runs": runs}
     name = "fusion_choice_clip_full" if args.clip_full else "fusion_choice"
     name = "fusion_choice_sweep" if args.sweep else name
+    name = "fusion_choice_large" if args.large else name
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
 
 
