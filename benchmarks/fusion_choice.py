@@ -34,7 +34,8 @@ ImageNet-size worlds (N = 50,000, K = 1,000, d = 512, 1 seed; about 5 minutes), 
 ``fusion_choice_clip_full.json``. ``--sweep``: only ``no_harm_sweep.py``'s means worlds (3 seeds,
 every K; about 8 minutes), ``fusion_choice_sweep.json``. ``--large``: only means worlds large
 enough for the held-out trend (K = 50, N = 20,000 and K = 100, N = 30,000; every test set, 3
-seeds; about a minute), ``fusion_choice_large.json``.
+seeds; about a minute), ``fusion_choice_large.json``; with ``--tau-c`` another :math:`\tau_c`
+(default 0.01), ``fusion_choice_large_tau<value>.json``.
 
 The last lines sum what the trend changes against the margin alone (the default's f_d, but
 this script's pooled candidate where the trend switched): the library's trend (its hashed folds,
@@ -89,8 +90,9 @@ LARGE = ((50, 64, 20000, 0.45), (100, 128, 30000, 0.3))
 (N/2 > K r), so the held-out trend is read; zero-shot 0.47-0.49 and 0.76-0.77."""
 
 
-def large_worlds(seeds: int) -> Iterator[Case]:
-    """Means worlds at :data:`LARGE`'s sizes, every test set of ``no_harm_sweep.py``."""
+def large_worlds(seeds: int, tau_c: float = 0.01) -> Iterator[Case]:
+    """Means worlds at :data:`LARGE`'s sizes, every test set of ``no_harm_sweep.py``, fitted at
+    ``tau_c``."""
     from no_harm_sweep import KINDS
 
     for k, d, n, noise in LARGE:
@@ -101,7 +103,7 @@ def large_worlds(seeds: int) -> Iterator[Case]:
                     n, k, d, noise, seed=seed, test_prior=prior, sample=kind == "natural"
                 )
                 name = f"means K={k} d={d} N={n} {kind} {noise}"
-                yield name, seed, world.features, world.prototypes, world.labels, 0.01
+                yield name, seed, world.features, world.prototypes, world.labels, tau_c
 
 
 def worlds(seeds: int) -> Iterator[Case]:
@@ -260,6 +262,7 @@ def main() -> None:
     parser.add_argument("--clip-full", action="store_true", help="CLIP-like worlds, N = 20,000")
     parser.add_argument("--sweep", action="store_true", help="no_harm_sweep.py's means worlds")
     parser.add_argument("--large", action="store_true", help="means worlds with N/2 > K r")
+    parser.add_argument("--tau-c", type=float, default=0.01, help="tau_c of --large's fits")
     args = parser.parse_args()
     info = common.machine_info()
     runs = []
@@ -268,7 +271,7 @@ def main() -> None:
     if args.sweep:
         cases = sweep_worlds(seeds)
     if args.large:
-        cases = large_worlds(seeds)
+        cases = large_worlds(seeds, args.tau_c)
     for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
@@ -294,6 +297,7 @@ def main() -> None:
     name = "fusion_choice_clip_full" if args.clip_full else "fusion_choice"
     name = "fusion_choice_sweep" if args.sweep else name
     name = "fusion_choice_large" if args.large else name
+    name += "" if args.tau_c == 0.01 else f"_tau{args.tau_c:g}"
     print(f"wrote {common.write_result(name, payload).relative_to(common.ROOT)}")
 
 
