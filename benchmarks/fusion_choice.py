@@ -264,6 +264,8 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="means worlds with N/2 > K r")
     parser.add_argument("--tau-c", type=float, default=0.01, help="tau_c of --large's fits")
     args = parser.parse_args()
+    if args.tau_c != 0.01 and not args.large:
+        parser.error("--tau-c applies to --large only")
     info = common.machine_info()
     runs = []
     seeds = 1 if args.quick else 3

@@ -1,29 +1,32 @@
 r"""Does the fusion choice's held-out trend read the classifiers, or the head's own fit?
 
-Run: ``python benchmarks/trend_leakage.py`` (about 4 minutes on 2 cores, 3 of them the two
+Run: ``python benchmarks/trend_leakage.py`` (about 3 minutes on 2 cores, most of it the two
 ImageNet-size worlds; ``--quick``: without them); prints one line per world and writes
 ``benchmarks/results/trend_leakage.json``.
 
 The held-out trend (:mod:`frolic_tta.held_out`) refits each candidate's mixture on one fold and
 scores the other. The candidates' labels there come from the fit on *all* samples: the head
 alone's :math:`f_g` (and half of the pooled fusion) was fitted on the scoring fold too, so that
-fold's samples reach its own score through the labels. :math:`f_c/\tau_c` alone does not
-depend on the samples. This script reads the trend both ways, on the same random split into
-two halves (float64, ``fusion_choice.py``'s ``held_out`` and ``debiased``):
+fold's samples reach their own score through the labels. :math:`f_c/\tau_c` alone does not
+depend on the samples. This script reads the trend three ways (float64, ``fusion_choice.py``'s
+``held_out``, ``refit_scores`` and ``debiased``; one random split):
 
-* ``full``: the library's way, every label from the fit on all samples;
+* ``full``: the library's way, every label from the fit on all samples, two halves;
 * ``crossed``: each half labelled by the whole method fitted on that half alone
   (``frolic_tta.frolic`` on its rows), its mixture refitted there and scoring the other half:
-  no sample reaches its own score.
+  the labels saw the fold their mixture is refitted on, not the one scored;
+* ``three-way``: each third scored by the mixture refitted on the next third, labelled there by
+  the method fitted on the third after: no sample is in its labels' fit or its mixture's.
 
 Each prints Vuong's Z of the head alone against the pooled fusion and of the zero-shot
 classifier alone against the pooled fusion (the rule keeps the head alone where the first is
-above 3.09 and the second below -3.09), beside the top-1 differences of the candidates each
-one compares (``full``: the fit on all samples, matched to its test prior; ``crossed``: each
-half's own fit). Worlds: the README's at N = 800 and 2,000 (where the head alone gains), the
-CLIP-like label-shift worlds at ``peers.py``'s size (N = 20,000, where the trend is read and
-the head alone gains), the two ImageNet-size ones (where the trend would fail and is gated off,
-N/2 < K r), and two means worlds where the head alone loses (``no_harm_sweep.py``, K = 100).
+above 3.09 and the second below -3.09), beside the top-1 differences (pt) of the candidates each
+one compares (``full``: the fit on all samples; the others: the labels of the parts' own fits),
+every candidate matched to the full fit's test prior. Worlds: the README's at N = 800 and 2,000
+(where the head alone gains), the CLIP-like label-shift worlds at ``peers.py``'s size (N =
+20,000, where the trend is read and the head alone gains), the two ImageNet-size ones (where the
+trend would fail and is gated off, N/2 < K r), and two means worlds where the head alone loses
+(``no_harm_sweep.py``, K = 100).
 """
 
 from __future__ import annotations

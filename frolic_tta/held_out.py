@@ -11,13 +11,13 @@ A held-out likelihood does not pay the refit's own optimism. (The candidates' la
 from the fit on all samples, so it is no leak-free test of the classifiers: labelled by fits
 that did not see the scoring fold, it ranks them against their accuracy in some of the worlds
 measured; docs/method.md, Default 6, ``benchmarks/trend_leakage.py``.) The samples are split in
-two folds by a hash
-of their values' leading bits (:func:`~frolic_tta.folds.folds`: the same fold on any shard, in
-any row order or chunking, and almost always under another CPU kernel set's last bits); the
-mixture refitted under each candidate's labels on one fold (its soft sums, :math:`\Sigma` the
-fold's within-class covariance on the data's span, weights :math:`\tilde\pi`) scores every
-sample of the other. Three candidates are scored: the head alone, the pooled fusion and the
-zero-shot classifier alone, each matched to :math:`\tilde\pi` (Eq. 13). With the per-sample
+two folds by a hash of their values' leading bits (:func:`~frolic_tta.folds.folds`: the same
+fold on any shard, in any row order or chunking, and almost always under another CPU kernel
+set's last bits); the mixture refitted under each candidate's labels on one fold (its soft
+sums, :math:`\Sigma` the fold's within-class covariance on the data's span, weights
+:math:`\tilde\pi`) scores every sample of the other. Three candidates are scored: the head
+alone, the pooled fusion and the zero-shot classifier alone, each matched to :math:`\tilde\pi`
+(Eq. 13). With the per-sample
 differences :math:`d_i = \ell_i(\text{head alone}) - \ell_i(\text{pooled})` and
 :math:`e_i = \ell_i(\text{zero-shot}) - \ell_i(\text{pooled})`, Vuong's statistics are
 :math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`s_d` the sample standard deviation), and the
