@@ -99,8 +99,9 @@ def main() -> None:
     rows = []
     for root, name in zip(roots, labels, strict=True):
         median = statistics.median(walls[root])
-        rows.append({"checkout": name, "median_s": median, "walls": walls[root]})
-        rows[-1]["accuracy"] = accuracy[root]
+        rows.append(
+            {"checkout": name, "median_s": median, "walls": walls[root], "accuracy": accuracy[root]}
+        )
         print(
             f"{root}: fit_frolic median {median:.3f} s of {len(walls[root])}, "
             f"range {min(walls[root]):.3f}-{max(walls[root]):.3f}; accuracy {accuracy[root]:.4f}"

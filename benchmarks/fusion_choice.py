@@ -127,6 +127,30 @@ def debiased(logits: torch.Tensor, prior: torch.Tensor, eps: float) -> torch.Ten
     return logits.double() - beta.log() + prior.double().log()
 
 
+def candidate_scores(
+    result: frolic_tta.FrolicResult, prior: torch.Tensor, features: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    r"""The fusion's three candidates of ``result``: the pooled fusion
+    :math:`\frac12(f_g/\tau_g + f_c/\tau_c)`, the head alone and the zero-shot classifier
+    alone, each matched to ``prior`` (float64); on ``features``: ``result``'s head applied to
+    other rows."""
+    head = result.head
+    if features is None:
+        gda, zero_shot = result.gda_logits, result.zero_shot_logits
+    else:
+        gda, zero_shot = head.gaussian.gda().logits(features), head.zero_shot().logits(features)
+    alone, zero_shot = gda.double() / head.tau_g, zero_shot.double() / head.tau_c
+    logits = {
+        "pooled": 0.5 * (alone + zero_shot),
+        "head alone": alone,
+        "zero-shot alone": zero_shot,
+    }
+    eps = result.options.solver.eps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return {key: debiased(value, prior, eps) for key, value in logits.items()}
+
+
 def held_out(
     x: torch.Tensor, labels: torch.Tensor, prior: torch.Tensor, span: torch.Tensor | None, folds
 ) -> torch.Tensor:
@@ -172,16 +196,12 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         result = frolic_tta.frolic(x, z, tau_c=tau_c, normalize=True)
-    head, features, eps = result.head, result.features, result.options.solver.eps
+    head, features = result.head, result.features
     prior = result.priors.test_prior.double()
     span = data_span(result.sums)
     rank = features.shape[1] if span is None else span.shape[1]
     threshold = 0.5 * z.shape[0] * rank
-    alone = result.gda_logits.double() / head.tau_g
-    zero_shot = result.zero_shot_logits.double() / head.tau_c
-    pooled = 0.5 * (alone + zero_shot)
-    candidates = {"pooled": pooled, "head alone": alone, "zero-shot alone": zero_shot}
-    scores = {key: debiased(logits, prior, eps) for key, logits in candidates.items()}
+    scores = candidate_scores(result, prior)
     x64 = features.double()
     split = torch.randperm(x64.shape[0], generator=torch.Generator().manual_seed(0))
     folds = list(split.chunk(2))
@@ -207,7 +227,7 @@ def measure(x, z, labels, tau_c) -> dict[str, float | bool]:
         "zero-shot gap here": float((own["zero-shot alone"] - own["pooled"]).sum()),
         "zero-shot held-out gap": float(other.sum()),
         "zero-shot held-out Z": float(other.sum() / (math.sqrt(other.shape[0]) * other.std())),
-        "f_c": frolic_tta.accuracy(zero_shot, labels),
+        "f_c": frolic_tta.accuracy(result.zero_shot_logits, labels),
         "f_d": frolic_tta.accuracy(result.logits, labels),
         "pooled": frolic_tta.accuracy(scores["pooled"], labels),
         "head alone": frolic_tta.accuracy(scores["head alone"], labels),

@@ -9,7 +9,7 @@ scores the other. The candidates' labels there come from the fit on *all* sample
 alone's :math:`f_g` (and half of the pooled fusion) was fitted on the scoring fold too, so that
 fold's samples reach their own score through the labels. :math:`f_c/\tau_c` alone does not
 depend on the samples. This script reads the trend three ways (float64, ``fusion_choice.py``'s
-``held_out``, ``refit_scores`` and ``debiased``; one random split):
+``candidate_scores``, ``held_out`` and ``refit_scores``; one random split):
 
 * ``full``: the library's way, every label from the fit on all samples, two halves;
 * ``crossed``: each half labelled by the whole method fitted on that half alone
@@ -37,7 +37,7 @@ import warnings
 
 import common
 import torch
-from fusion_choice import debiased, held_out, refit_scores
+from fusion_choice import candidate_scores, held_out, refit_scores
 from label_shift import build, world_specs
 
 import frolic_tta
@@ -54,28 +54,6 @@ def fit(features: torch.Tensor, prototypes: torch.Tensor, tau_c: float) -> froli
         return frolic_tta.frolic(features, prototypes, tau_c=tau_c, normalize=True)
 
 
-def labels(
-    result: frolic_tta.FrolicResult, prior: torch.Tensor, features: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """The three candidates' logits of ``result`` (on ``features``: its head applied to other
-    rows), each matched to ``prior`` (float64)."""
-    head = result.head
-    if features is None:
-        gda, zero_shot = result.gda_logits, result.zero_shot_logits
-    else:
-        gda, zero_shot = head.gaussian.gda().logits(features), head.zero_shot().logits(features)
-    alone, zero_shot = gda.double() / head.tau_g, zero_shot.double() / head.tau_c
-    logits = {
-        "pooled": 0.5 * (alone + zero_shot),
-        "head alone": alone,
-        "zero-shot alone": zero_shot,
-    }
-    eps = result.options.solver.eps
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return {key: debiased(value, prior, eps) for key, value in logits.items()}
-
-
 def vuong(per: dict[str, torch.Tensor], key: str) -> float:
     diff = per[key] - per["pooled"]
     return float(diff.sum() / (math.sqrt(diff.shape[0]) * diff.std()))
@@ -89,7 +67,7 @@ def measure(x: torch.Tensor, z: torch.Tensor, y: torch.Tensor, tau_c: float) -> 
     n = features.shape[0]
     split = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     halves, thirds = list(split.chunk(2)), list(split.chunk(3))
-    full = labels(whole, prior)
+    full = candidate_scores(whole, prior)
     per = {
         "full": {
             key: held_out(features, s.softmax(1), prior, span, halves) for key, s in full.items()
@@ -97,7 +75,7 @@ def measure(x: torch.Tensor, z: torch.Tensor, y: torch.Tensor, tau_c: float) -> 
     }
     crossed = {key: torch.empty_like(value) for key, value in full.items()}
     for rows in halves:  # each half labelled by the method fitted on it alone
-        for key, value in labels(fit(x[rows], z, tau_c), prior).items():
+        for key, value in candidate_scores(fit(x[rows], z, tau_c), prior).items():
             crossed[key][rows] = value
     per["crossed"] = {
         key: held_out(features, s.softmax(1), prior, span, halves) for key, s in crossed.items()
@@ -108,7 +86,7 @@ def measure(x: torch.Tensor, z: torch.Tensor, y: torch.Tensor, tau_c: float) -> 
     per["three-way"] = {key: torch.empty(n, dtype=torch.float64) for key in CANDIDATES}
     for t, test in enumerate(thirds):
         train, labeller = thirds[(t + 1) % 3], thirds[(t + 2) % 3]
-        scores = labels(fit(x[labeller], z, tau_c), prior, whole.features[train])
+        scores = candidate_scores(fit(x[labeller], z, tau_c), prior, whole.features[train])
         for key, value in scores.items():
             three[key][train] = value  # every third is a training third once
             per["three-way"][key][test] = refit_scores(

@@ -17,11 +17,11 @@ set's last bits); the mixture refitted under each candidate's labels on one fold
 sums, :math:`\Sigma` the fold's within-class covariance on the data's span, weights
 :math:`\tilde\pi`) scores every sample of the other. Three candidates are scored: the head
 alone, the pooled fusion and the zero-shot classifier alone, each matched to :math:`\tilde\pi`
-(Eq. 13). With the per-sample
-differences :math:`d_i = \ell_i(\text{head alone}) - \ell_i(\text{pooled})` and
-:math:`e_i = \ell_i(\text{zero-shot}) - \ell_i(\text{pooled})`, Vuong's statistics are
-:math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`s_d` the sample standard deviation), and the
-head alone is kept where the likelihood rises significantly along the fusion's weight:
+(Eq. 13). With the per-sample differences :math:`d_i = \ell_i(\text{head alone}) -
+\ell_i(\text{pooled})` and :math:`e_i = \ell_i(\text{zero-shot}) - \ell_i(\text{pooled})`,
+Vuong's statistics are :math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`s_d` the sample standard
+deviation), and the head alone is kept where the likelihood rises significantly along the
+fusion's weight:
 
 .. math::
     Z_g > 3.09 \quad\text{and}\quad Z_c < -3.09.
