@@ -7,7 +7,8 @@ The default keeps :math:`f_g/\tau_g` alone (instead of the pooled fusion) where 
 refitted under its debiased labels is more likely than the pooled one's by more than
 :math:`Kr/2` nats (:mod:`frolic_tta.fusion`, the *margin*), and, where N/2 > K r, where the
 held-out likelihood rises significantly from the zero-shot labels to the pooled ones to the
-head alone's (:mod:`frolic_tta.held_out`, the *trend*: its Z pair in ``priors.fusion_trend``).
+head alone's, and the zero-shot labels' sample means beat the prototypes' image
+(:mod:`frolic_tta.held_out`, the *trend*: its three Z in ``priors.fusion_trend``).
 For every world this prints:
 
 * ``gap``: the in-sample :math:`\ell(\text{head alone}) - \ell(\text{pooled})` the rule reads
@@ -310,7 +311,7 @@ def main() -> None:
             f"{row['zero-shot held-out gap']:7.1f} Z {row['zero-shot held-out Z']:5.1f}, "
             f"{row['zero-shot alone']:.4f} "
             f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)"
-            + (f" | trend Z {trend[0]:.1f} / {trend[1]:.1f}" if (trend := row["trend"]) else "")
+            + (f" | trend Z {' / '.join(f'{t:.1f}' for t in t_)}" if (t_ := row["trend"]) else "")
             + (" | monotone: head alone" if monotone(row) else ""),
             flush=True,
         )

@@ -35,8 +35,9 @@ alone cost up to 0.5 pt there). Every quantity is a reduced sum: every shard tak
 decision. Where the margin keeps the pooled fusion but each half of the samples outnumbers the
 means' parameters (N/2 > K r), a held-out reading decides (:mod:`frolic_tta.held_out`): the
 head alone where the held-out likelihood rises significantly from the zero-shot labels to the
-pooled ones to the head alone's (at ``benchmarks/peers.py``'s size, N = 20,000, the head alone
-is right on 0.7-1.7 pt more samples in all 15 fits, at in-sample gaps of 200-400 nats).
+pooled ones to the head alone's, and the sample means beat the prototypes' image (at
+``benchmarks/peers.py``'s size, N = 20,000, the head alone is right on 0.7-1.7 pt more samples
+in all 15 fits, at in-sample gaps of 200-400 nats).
 
 The head alone is scored first. The pooled fusion's likelihood is bounded below by the
 evidence lower bound (ELBO) of its labels :math:`q` under *any* mixture :math:`g` of the same
@@ -113,7 +114,8 @@ class FusionChoice:
             head alone; an upper bound where the pooled fusion's bound decided).
         passes: passes over the logits or features.
         trend: Vuong's Z of the held-out likelihood, ``(head alone, zero-shot alone)``
-            against the pooled fusion (:mod:`frolic_tta.held_out`), or ``None`` where not read.
+            against the pooled fusion, and the zero-shot labels' sample means against the
+            prototypes' image (:mod:`frolic_tta.held_out`), or ``None`` where not read.
     """
 
     head_alone: bool
@@ -121,7 +123,7 @@ class FusionChoice:
     source: LogitSource
     gap: float
     passes: int
-    trend: tuple[float, float] | None = None
+    trend: tuple[float, ...] | None = None
 
 
 def label_likelihood(
@@ -329,14 +331,14 @@ def choose_fusion(
     pairs = ((pooled, pooled_bias), (alone, alone_bias), (zero_shot, zero_shot_bias))
     labels = [(source, matched.log_offset) for source, matched in pairs]
     trend, more = held_out_trend(
-        features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size
+        features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size, image_of=2
     )
     passes += more + zero_shot_bias.evaluations
     if trend is None:  # a fold too small (duplicated rows share their fold)
         return FusionChoice(False, pooled_bias, pooled, gap, passes)
-    chosen, pair = rises(trend), (float(trend[0]), float(trend[1]))
+    chosen = rises(trend)
     bias, source = (alone_bias, alone) if chosen else (pooled_bias, pooled)
-    return FusionChoice(chosen, bias, source, gap, passes, pair)
+    return FusionChoice(chosen, bias, source, gap, passes, tuple(float(t) for t in trend))
 
 
 def fuse(

@@ -21,23 +21,43 @@ alone, the pooled fusion and the zero-shot classifier alone, each matched to :ma
 \ell_i(\text{pooled})` and :math:`e_i = \ell_i(\text{zero-shot}) - \ell_i(\text{pooled})`,
 Vuong's statistics are :math:`Z = \sum_i d_i / (\sqrt N s_d)` (:math:`s_d` the sample standard
 deviation), and the head alone is kept where the likelihood rises significantly along the
-fusion's weight:
+fusion's weight, and the sample means beat the prototypes' image (below, :math:`Z_\mu`):
 
 .. math::
-    Z_g > 3.09 \quad\text{and}\quad Z_c < -3.09.
+    Z_g > 3.09, \quad Z_c < -3.09 \quad\text{and}\quad Z_\mu > 3.09.
 
 The likelihood is the head's own family, so labels nearer the head's posterior fit it better
 whichever classifier is right; on worlds whose prototypes *are* the class means the head alone's
 Z alone is up to 10.6 where it loses 1.5 pt. There the zero-shot labels are as likely as the
 pooled ones or more (:math:`Z_c` up to +11.8); where the head alone gains, far less
-(:math:`Z_c` -13 to -41). The trend is read only where each fold has more samples than the
-means have parameters (N/2 > K r: a fold's mean of n samples is off by r/n within-class
-variances on average): at ImageNet size (N = 50,000, K r = 512,000) Z_g is 329 while the head
+(:math:`Z_c` -13 to -41).
+
+**The prototypes' image.** The head alone's labels win that way also where the head's means are
+its sample means and the prototypes *are* the class means: on long-tailed test sets (K = 50-100,
+N = 20,000-30,000, ``benchmarks/fusion_choice.py --large``) the soft labels' contamination of
+the tail classes' means makes the prototype test reject (:mod:`frolic_tta.prototype_means`, z 5
+to 53), and the trend rose (Z_g 3.4-11.8, Z_c -4.3 to -12.8) in 10 of 12 fits, the head alone
+0.2-0.7 pt under the pooled fusion. Held out, the same question has its answer: the zero-shot
+candidate's mixture on one fold, with its sample means against the same mixture with their image
+:math:`\hat c + \hat a z_j` (the prototype test's :math:`H_0`, fitted by
+:func:`~frolic_tta.prototype_means.prototype_statistic` in the fold's :math:`\Sigma^{-1}`),
+scored on the other: Vuong's :math:`Z_\mu` of the sample means over the image. The sample means
+pay their K r parameters' noise there, which the in-sample test cannot tell from the labels'
+contamination; so the head alone is kept only where also :math:`Z_\mu >` 3.09: the sample means
+carry what the prototypes do not. Measured (``benchmarks/fusion_choice.py``, ``--sweep``,
+``--large`` and ``--clip-full``): :math:`Z_\mu` -22 to -63 in those 24 means worlds and -0.1 to
+-14 in the 114 smaller ones where the trend is read (K <= 20; it rose in 13 of them, half losing
+up to 0.35 pt), +44 to +73 in the 15 CLIP-like fits at N = 20,000, where the head alone gains
+0.6-1.7 pt. One more mixture in the scoring pass, no pass of its own.
+
+The trend is read only where each fold has more samples than the means have parameters
+(N/2 > K r: a fold's mean of n samples is off by r/n within-class variances on average): at
+ImageNet size (N = 50,000, K r = 512,000) Z_g is 329 while the head
 alone's in-sample likelihood is the lower one by 17,382 nats, and the head alone would lose
 1.6 pt. Measured: docs/method.md, Default 6.
 
 Cost, where it runs: one pass over the features (the fold's moments), one over each candidate's
-logits (its soft sums by fold), one scoring pass (three mixtures), and the zero-shot matching.
+logits (its soft sums by fold), one scoring pass (four mixtures), and the zero-shot matching.
 Shapes: N samples, K classes, d embedding dim, r the rank of the data's span.
 """
 
@@ -54,16 +74,18 @@ from frolic_tta.folds import enough_samples, folds, refits_by_fold
 from frolic_tta.gda import MomentSums, shared_covariance
 from frolic_tta.logits import LogitSource, ReduceFn, chunk_rows, exact_arithmetic
 from frolic_tta.mixture import log_weights
-from frolic_tta.prototype_means import LEVEL
+from frolic_tta.prototype_means import LEVEL, prototype_statistic
 
 __all__ = ["Difference", "enough_samples", "folds", "held_out_trend", "rises"]
 
 
 def rises(trend: Tensor) -> bool:
     r"""Whether the held-out likelihood rises significantly from the zero-shot labels to the
-    pooled ones to the head alone's: :math:`Z_g >` :data:`LEVEL` and :math:`Z_c < -`
-    :data:`LEVEL` (``trend`` of :func:`held_out_trend`)."""
-    return float(trend[0]) > LEVEL and float(trend[1]) < -LEVEL
+    pooled ones to the head alone's, :math:`Z_g >` :data:`LEVEL` and :math:`Z_c < -`
+    :data:`LEVEL`, and, where ``trend`` has a third entry, the sample means beat the
+    prototypes' image, :math:`Z_\mu >` :data:`LEVEL` (``trend`` of :func:`held_out_trend`)."""
+    image = len(trend) < 3 or float(trend[2]) > LEVEL
+    return float(trend[0]) > LEVEL and float(trend[1]) < -LEVEL and image
 
 
 class Difference(LogitSource):
@@ -95,10 +117,14 @@ def held_out_trend(
     span: Tensor | None,
     reduce_fn: ReduceFn,
     chunk_size: int | None,
+    image_of: int | None = None,
 ) -> tuple[Tensor | None, int]:
     r"""Vuong's Z of each candidate's held-out likelihood against the first one's (module
     docstring): ``(Z (len(labels) - 1,), passes)``, float64; 0 where the differences vanish;
-    ``None`` where a fold has no more samples than the means have parameters (K r).
+    ``None`` where a fold has no more samples than the means have parameters (K r). With
+    ``image_of``, one more Z last: that candidate's mixture against the same mixture with the
+    prototypes' image :math:`\hat c + \hat a z_j` of its means (module docstring), in the
+    same scoring pass.
 
     Args:
         features: ``(N_local, d)`` the local shard.
@@ -110,6 +136,8 @@ def held_out_trend(
         span: ``(d, r)`` the data's span (:func:`~frolic_tta.evidence.data_span`) or ``None``.
         reduce_fn: sums a tensor over shards.
         chunk_size: rows per chunk.
+        image_of: the index in ``labels`` whose sample means are tested against the
+            prototypes' image, or ``None``.
     """
     k, d = prototypes.shape
     fold = folds(features)
@@ -121,7 +149,12 @@ def held_out_trend(
         return None, 1 + len(labels)
     # per fold: each candidate's mixture refitted on it
     models = [[_scorer(pair[f], prototypes, span) for pair in refits] for f in (0, 1)]
-    differences = _score(features, fold, models, log_weights(prior), chunk_size, dtype)
+    pairs = [(c, 0) for c in range(1, len(labels))]
+    if image_of is not None:
+        for f in (0, 1):
+            models[f].append(_image(models[f][image_of], prototypes))
+        pairs.append((image_of, len(labels)))
+    differences = _score(features, fold, models, pairs, log_weights(prior), chunk_size, dtype)
     moments = reduce_fn(differences)
     n = float(sums.count)
     statistics = []
@@ -132,41 +165,57 @@ def held_out_trend(
 
 
 def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> tuple:
-    r"""``(mean (d,), W (K, r), b (K,), factor (r, r), log det / 2, span)`` of the mixture
-    refitted on ``refit``: :math:`\ln\mathcal N(x; \mu_j, \Sigma) = w_j^\top y + b_j -
-    \frac12 y^\top\Sigma^{-1}y - \frac12\ln|\Sigma|` (+ const), :math:`y` the centred features
-    on the span."""
+    r"""``(mean (d,), W (K, r), b (K,), factor (r, r), log det / 2, span, centred means (K, r),
+    counts (K,))`` of the mixture refitted on ``refit``: :math:`\ln\mathcal N(x; \mu_j,
+    \Sigma) = w_j^\top y + b_j - \frac12 y^\top\Sigma^{-1}y - \frac12\ln|\Sigma|` (+ const),
+    :math:`y` the centred features on the span."""
     _, means, weights, _ = shared_covariance(refit, prototypes, "soft", None)
     centred, factor, _ = within_factor(means, weights, refit, span)
     weight = torch.cholesky_solve(centred.t(), factor).t()
     bias = -0.5 * (centred * weight).sum(1)
     half_log_det = torch.log(factor.diagonal()).sum()
     mean = refit.feature_sum / refit.count
-    return mean, weight, bias, factor, half_log_det, span
+    return mean, weight, bias, factor, half_log_det, span, centred, weights * refit.count
+
+
+def _image(model: tuple, prototypes: Tensor) -> tuple:
+    r"""``model`` (:func:`_scorer`'s) with its means replaced by the prototypes' image
+    :math:`\hat c + \hat a z_j` (:func:`~frolic_tta.prototype_means.prototype_statistic`,
+    fitted in its own :math:`\Sigma^{-1}` with its weights' counts; ``model`` itself where no
+    image can be fitted: a Z of 0)."""
+    mean, weight, bias, factor, half_log_det, span, centred, counts = model
+    z = prototypes.to(centred)
+    z = z if span is None else z @ span.to(z)
+    covariance = factor @ factor.t()
+    fitted, _, _, _ = prototype_statistic(centred, covariance, counts, z, None)
+    image = torch.cholesky_solve(fitted.t(), factor).t()
+    bias = -0.5 * (fitted * image).sum(1)
+    return mean, image, bias, factor, half_log_det, span, fitted, counts
 
 
 def _score(
     features: Tensor,
     fold: Tensor,
     models: list[list[tuple]],
+    pairs: Sequence[tuple[int, int]],
     log_prior: Tensor,
     chunk_size: int | None,
     dtype: torch.dtype,
 ) -> Tensor:
-    r"""``[sum_i d_i, sum_i d_i^2]`` per candidate after the first (float64, local): each row
-    scored by the other fold's mixtures, :math:`d_i` its log-likelihood less the first
-    candidate's."""
+    r"""``[sum_i d_i, sum_i d_i^2]`` per pair ``(a, b)`` of ``models``' indices (float64,
+    local): each row scored by the other fold's mixtures, :math:`d_i` its log-likelihood under
+    ``a`` less that under ``b``."""
     k = log_prior.shape[0]
     rows = chunk_rows(k, chunk_size)
-    out = torch.zeros(len(models[0]) - 1, 2, dtype=torch.float64, device=features.device)
+    out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=features.device)
     for start in range(0, features.shape[0], rows):
         x, where = features[start : start + rows], fold[start : start + rows]
         for f, mask in enumerate((where, ~where)):  # fold 1 by fold 0's mixtures, and back
             if not bool(mask.any()):
                 continue
             scores = [_log_density(x[mask], model, log_prior, dtype) for model in models[f]]
-            for c, score in enumerate(scores[1:]):
-                diff = (score - scores[0]).double()
+            for c, (a, b) in enumerate(pairs):
+                diff = (scores[a] - scores[b]).double()
                 out[c, 0] += diff.sum()
                 out[c, 1] += diff.square().sum()
     return out.flatten().cpu()
@@ -174,7 +223,7 @@ def _score(
 
 def _log_density(x: Tensor, model: tuple, log_prior: Tensor, dtype: torch.dtype) -> Tensor:
     r""":math:`\ln\sum_j \pi_j\mathcal N(x_i; \mu_j, \Sigma)` up to a constant, ``(n,)``."""
-    mean, weight, bias, factor, half_log_det, span = model
+    mean, weight, bias, factor, half_log_det, span = model[:6]
     y = x.to(torch.float64) - mean.to(x.device)
     y = (y if span is None else y @ span.to(y)).to(dtype)
     g = y @ weight.to(y).t() + (bias + log_prior.to(bias)).to(y)

@@ -46,31 +46,46 @@ def test_a_rows_fold_survives_the_last_bits_another_kernel_set_may_change():
         assert changed < 0.002, (ulps, changed)  # measured 5e-5 and 4e-4
 
 
-def reference_trend(x, labels, prior, span, fold):
+def reference_trend(x, labels, prior, span, fold, prototypes=None, image_of=None):
     """Vuong's Z from scratch in float64: each fold's mixture refitted under the soft labels
     (means, the fold's within-class covariance on the span, weights ``prior``) scores the
-    other fold's samples; Z of each candidate's per-sample difference from the first's."""
+    other fold's samples; Z of each candidate's per-sample difference from the first's; with
+    ``image_of``, last, that candidate's mixture against the same with its means replaced by
+    the weighted least-squares fit c + a z_j (weights n_j, metric the covariance's inverse)."""
     x = x.double()
-    scores = []
-    for q in labels:
+
+    def scores_of(q, image):
         out = torch.empty(x.shape[0], dtype=torch.float64)
         for train in (~fold, fold):
             xs, qs = x[train], q[train]
             mean = xs.mean(0)
-            means = (qs.t() @ xs) / qs.sum(0)[:, None]
+            counts = qs.sum(0)
+            means = (qs.t() @ xs) / counts[:, None]
             centred = (means - mean) @ span
             y = (xs - mean) @ span
-            within = y.t() @ y / len(xs) - (centred * (qs.sum(0) / len(xs))[:, None]).t() @ centred
+            within = y.t() @ y / len(xs) - (centred * (counts / len(xs))[:, None]).t() @ centred
+            if image:
+                zs = prototypes.double() @ span
+                w = counts / counts.sum()
+                z_c, m_c = zs - w @ zs, centred - w @ centred
+                solved = torch.linalg.solve(within, z_c.t()).t()
+                a = (w * (solved * m_c).sum(1)).sum() / (w * (solved * z_c).sum(1)).sum()
+                centred = w @ centred + a * z_c
             factor = torch.linalg.cholesky(within)
             weight = torch.cholesky_solve(centred.t(), factor).t()
             test = (x[~train] - mean) @ span
             g = test @ weight.t() - 0.5 * (centred * weight).sum(1) + prior.log()
             quad = 0.5 * (test.t() * torch.cholesky_solve(test.t(), factor)).sum(0)
             out[~train] = g.logsumexp(1) - quad - torch.log(factor.diagonal()).sum()
-        scores.append(out)
+        return out
+
+    scores = [scores_of(q, False) for q in labels]
+    pairs = [(other, scores[0]) for other in scores[1:]]
+    if image_of is not None:
+        pairs.append((scores[image_of], scores_of(labels[image_of], True)))
     z = []
-    for other in scores[1:]:
-        diff = other - scores[0]
+    for a, b in pairs:
+        diff = a - b
         z.append(float(diff.sum() / (math.sqrt(len(diff)) * diff.std())))
     return z
 
@@ -91,6 +106,11 @@ def test_the_trend_agrees_with_a_float64_reference():
     expected = reference_trend(x, soft, prior, span, folds(x))
     assert trend.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert passes == 5 and abs(expected[0]) > 1.0  # the candidates differ: a real statistic
+    # the third candidate's sample means against the prototypes' image, in the same pass
+    imaged, more = held_out_trend(x, z, labels, sums, prior, span, identity_reduce, 512, 2)
+    expected = reference_trend(x, soft, prior, span, folds(x), z, image_of=2)
+    assert imaged.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert more == passes and abs(expected[2]) > 1.0
 
 
 def test_the_zero_shot_logits_are_the_pooled_ones_less_the_head_alones():
@@ -116,8 +136,9 @@ def test_the_peers_world_follows_its_head_and_passes_inmap(peers_world):
     y = world.labels
     rows = {key: frolic_tta.accuracy(logits, y) for key, logits in result.ablations(y).items()}
     assert result.head.zero_shot_weight == 0.0  # the head alone
-    z_alone, z_zero_shot = result.priors.fusion_trend
+    z_alone, z_zero_shot, z_means = result.priors.fusion_trend
     assert z_alone > 3.09 and z_zero_shot < -3.09 and result.priors.fusion_gap < 0.0
+    assert z_means > 3.09  # the sample means beat the prototypes' image, held out
     f_d = frolic_tta.accuracy(result.logits, y)
     x, z = world.features, world.prototypes
     proxies = quiet(fit_proxies, x, z, 0.01, **convergence(frolic_tta.FrolicOptions()))
