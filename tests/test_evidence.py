@@ -146,7 +146,7 @@ LOW_SIGNAL = {  # planted text bias, low signal: the raw labels' mixture is the 
     # against 0.284 with the bias removed
     "K50-balanced": (2000, 50, 32, None),
     # the same world at 4x the samples: not a small-sample effect, the raw labels win by more
-    # (evidence -147 / -206 / -372 nats at N = 2,000 / 8,000 / 32,000; f_d 0.174 against 0.277
+    # (evidence -147 / -206 / -372 nats at N = 2,000 / 8,000 / 32,000; f_d 0.177 against 0.278
     # removed here). The code issue 35 was filed against removed the bias always
     "K50-balanced-N8000": (8000, 50, 32, None),
 }
