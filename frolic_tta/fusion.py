@@ -114,8 +114,9 @@ class FusionChoice:
             head alone; an upper bound where the pooled fusion's bound decided).
         passes: passes over the logits or features.
         trend: Vuong's Z of the held-out likelihood, ``(head alone, zero-shot alone)``
-            against the pooled fusion, and the zero-shot labels' sample means against the
-            prototypes' image (:mod:`frolic_tta.held_out`), or ``None`` where not read.
+            against the pooled fusion, and (with ``image``) the zero-shot labels' sample means
+            against the prototypes' image (:mod:`frolic_tta.held_out`), or ``None`` where not
+            read.
     """
 
     head_alone: bool
@@ -261,6 +262,7 @@ def choose_fusion(
     chunk_size: int | None,
     alone: LogitSource | None = None,
     zero_shot_beta: Tensor | None = None,
+    image: bool = True,
 ) -> FusionChoice:
     r"""The pooled fusion or the head alone (module docstring).
 
@@ -285,6 +287,8 @@ def choose_fusion(
             matchings log-linear in the logits (as the pooled matching starts from
             :math:`\hat\beta_c^\omega`); else from uniform. 21k world, N = 30,000: 3 passes
             instead of 7.
+        image: the trend also asks the sample means to beat the prototypes' image (``False``
+            where the prototypes saw these images, InMaP's proxies; :mod:`frolic_tta.held_out`).
     """
     exact = pooled.exact
     span = data_span(sums)
@@ -331,7 +335,7 @@ def choose_fusion(
     pairs = ((pooled, pooled_bias), (alone, alone_bias), (zero_shot, zero_shot_bias))
     labels = [(source, matched.log_offset) for source, matched in pairs]
     trend, more = held_out_trend(
-        features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size, image_of=2
+        features, prototypes, labels, sums, prior, span, reduce_fn, chunk_size, 2 if image else None
     )
     passes += more + zero_shot_bias.evaluations
     if trend is None:  # a fold too small (duplicated rows share their fold)

@@ -186,8 +186,7 @@ def fit_frolic(
     if keep_logits:
         scratch = zero_shot_buffer(features, z, tau_c, chunk_size, given)
         zero_shot, buffer = TensorLogits(scratch, chunk_size, exact), _new_buffer(features, k)
-    bound = options.solver.beta_ratio_bound
-    box = None if bound is None else math.log(bound) / 2
+    box = None if (bound := options.solver.beta_ratio_bound) is None else math.log(bound) / 2
     match = partial(
         fit_label_bias,
         eps=options.solver.eps,
@@ -338,6 +337,7 @@ def fit_frolic(
             chunk_size=chunk_size,
             alone=None if alone is None else TensorLogits(alone, chunk_size, zero_shot.exact),
             zero_shot_beta=None if head_bias is None else head_bias.beta,
+            image=options.zero_shot == "text",  # InMaP's proxies saw every fold
         )
         fusion = {"fusion_gap": choice.gap, "fusion_trend": choice.trend}
         if choice.head_alone:  # f_f = f_g / tau_g

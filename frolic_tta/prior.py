@@ -333,7 +333,8 @@ class Priors:
         fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats
             (:mod:`frolic_tta.fusion`; an upper bound where a bound decided), or ``None``.
         fusion_trend: held-out Z, (head alone, zero-shot) - pooled, and the zero-shot labels'
-            sample means - the prototypes' image (:mod:`frolic_tta.held_out`).
+            sample means - the prototypes' image (:mod:`frolic_tta.held_out`; not with
+            ``zero_shot="inmap"``, whose proxies saw every fold).
         prototype_z: the statistic of the head's means against the prototypes
             (:mod:`frolic_tta.prototype_means`; on the effective counts where the soft
             counts' is under -3.09; |z| <= 3.09 and a-hat significant: the head takes the
@@ -353,7 +354,7 @@ class Priors:
     passes: int = 0
     label_bias_evidence: float | None = None
     fusion_gap: float | None = None
-    fusion_trend: tuple[float, float, float] | None = None
+    fusion_trend: tuple[float, ...] | None = None
     prototype_z: float | None = None
 
     def summary(self, digits: int = 6) -> dict[str, object]:
