@@ -48,7 +48,10 @@ carry what the prototypes do not. Measured (``benchmarks/fusion_choice.py``, ``-
 ``--large`` and ``--clip-full``): :math:`Z_\mu` -22 to -63 in those 24 means worlds and -0.1 to
 -14 in the 114 smaller ones where the trend is read (K <= 20; it rose in 13 of them, half losing
 up to 0.35 pt), +44 to +73 in the 15 CLIP-like fits at N = 20,000, where the head alone gains
-0.6-1.7 pt. One more mixture in the scoring pass, no pass of its own.
+0.6-1.7 pt. Its price: in ``benchmarks/finalize.py``'s ImageNet-like geometry at low signal
+(zero-shot 0.25-0.38) the image wins held out too (:math:`Z_\mu` -13 to -25), and the head
+alone's gain of 0.32-0.44 pt is forgone (docs/method.md, Default 6). One more mixture in the
+scoring pass, no pass of its own.
 
 The trend is read only where each fold has more samples than the means have parameters
 (N/2 > K r: a fold's mean of n samples is off by r/n within-class variances on average): at
