@@ -186,7 +186,7 @@ def _image(model: tuple, prototypes: Tensor) -> tuple:
     :math:`\hat c + \hat a z_j` (:func:`~frolic_tta.prototype_means.prototype_statistic`,
     fitted in its own :math:`\Sigma^{-1}` with its weights' counts; ``model`` itself where no
     image can be fitted: a Z of 0)."""
-    mean, weight, bias, factor, half_log_det, span, centred, counts = model
+    mean, _, _, factor, half_log_det, span, centred, counts = model
     z = prototypes.to(centred)
     z = z if span is None else z @ span.to(z)
     covariance = factor @ factor.t()
