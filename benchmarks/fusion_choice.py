@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed")
     parser.add_argument("--clip-full", action="store_true", help="CLIP-like worlds, N = 20,000")
     parser.add_argument("--sweep", action="store_true", help="no_harm_sweep.py's means worlds")
-    parser.add_argument("--large", action="store_true", help="means and ImageNet-like worlds with N/2 > K r")
+    parser.add_argument("--large", action="store_true", help="large worlds: N/2 > K r")
     parser.add_argument("--tau-c", type=float, default=0.01, help="tau_c of --large's fits")
     args = parser.parse_args()
     if args.tau_c != 0.01 and not args.large:
