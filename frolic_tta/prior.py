@@ -332,9 +332,7 @@ class Priors:
             ``bias_test="off"``, ``None`` where not estimated (other options).
         fusion_gap: :math:`\ell(\text{head alone}) - \ell(\text{pooled}) - Kr/2` in nats
             (:mod:`frolic_tta.fusion`; an upper bound where a bound decided), or ``None``.
-        fusion_trend: held-out Z, (head alone, zero-shot) - pooled, and the zero-shot labels'
-            sample means - the prototypes' image (:mod:`frolic_tta.held_out`; not with
-            ``zero_shot="inmap"``, whose proxies saw every fold).
+        fusion_trend: the held-out Z, :class:`~frolic_tta.fusion.FusionChoice`'s ``trend``.
         prototype_z: the statistic of the head's means against the prototypes
             (:mod:`frolic_tta.prototype_means`; on the effective counts where the soft
             counts' is under -3.09; |z| <= 3.09 and a-hat significant: the head takes the
