@@ -313,6 +313,7 @@ def main() -> None:
     for name, seed, x, z, labels, tau_c in cases:
         row = {"world": name, "seed": seed, **measure(x, z, labels, tau_c)}
         runs.append(row)
+        trend = " / ".join(f"{t:.1f}" for t in row["trend"] or ())
         kept = "pooled"
         if row["head alone chosen"]:
             kept = "head alone: " + ("margin" if row["margin chose"] else "trend")
@@ -326,7 +327,7 @@ def main() -> None:
             f"{row['zero-shot held-out gap']:7.1f} Z {row['zero-shot held-out Z']:5.1f}, "
             f"{row['zero-shot alone']:.4f} "
             f"({100 * (row['zero-shot alone'] - row['pooled']):+.2f} pt)"
-            + (f" | trend Z {' / '.join(f'{t:.1f}' for t in t_)}" if (t_ := row["trend"]) else "")
+            + (f" | trend Z {trend}" if trend else "")
             + (" | monotone: head alone" if monotone(row) else ""),
             flush=True,
         )

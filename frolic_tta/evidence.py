@@ -137,11 +137,18 @@ def mixture_model(
     (\Sigma^{-1}C) - \frac N2\ln|\Sigma|` (float64; :math:`\frac{Nr}2\ln 2\pi` left out,
     the same for every model)."""
     centred, factor, scatter = within_factor(means, weights, sums, span)
-    weight = torch.cholesky_solve(centred.t(), factor).t()  # (K, r)
-    bias = -0.5 * (centred * weight).sum(1)
+    weight, bias = discriminant(centred, factor)  # (K, r), (K,)
     weight = weight if span is None else weight @ span.t()
     mean = sums.feature_sum / float(sums.count)
     return AffineMap(weight, bias, mean), _terms(factor, scatter, float(sums.count))
+
+
+def discriminant(centred: Tensor, factor: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``(W (K, r), b (K,))`` of the centred class means ``(K, r)`` under the covariance whose
+    Cholesky factor is ``factor``: :math:`w_j = \Sigma^{-1}\mu_j`, :math:`b_j = -\frac12
+    \mu_j^\top w_j` (the component log-densities less their class-free terms)."""
+    weight = torch.cholesky_solve(centred.t(), factor).t()
+    return weight, -0.5 * (centred * weight).sum(1)
 
 
 def within_factor(

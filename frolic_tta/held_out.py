@@ -72,7 +72,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from frolic_tta.evidence import within_factor
+from frolic_tta.evidence import discriminant, within_factor
 from frolic_tta.folds import enough_samples, folds, refits_by_fold
 from frolic_tta.gda import MomentSums, shared_covariance
 from frolic_tta.logits import LogitSource, ReduceFn, chunk_rows, exact_arithmetic
@@ -174,8 +174,7 @@ def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> tuple
     :math:`y` the centred features on the span."""
     _, means, weights, _ = shared_covariance(refit, prototypes, "soft", None)
     centred, factor, _ = within_factor(means, weights, refit, span)
-    weight = torch.cholesky_solve(centred.t(), factor).t()
-    bias = -0.5 * (centred * weight).sum(1)
+    weight, bias = discriminant(centred, factor)
     half_log_det = torch.log(factor.diagonal()).sum()
     mean = refit.feature_sum / refit.count
     return mean, weight, bias, factor, half_log_det, span, centred, weights * refit.count
@@ -191,9 +190,8 @@ def _image(model: tuple, prototypes: Tensor) -> tuple:
     z = z if span is None else z @ span.to(z)
     covariance = factor @ factor.t()
     fitted, _, _, _ = prototype_statistic(centred, covariance, counts, z, None)
-    image = torch.cholesky_solve(fitted.t(), factor).t()
-    bias = -0.5 * (fitted * image).sum(1)
-    return mean, image, bias, factor, half_log_det, span, fitted, counts
+    weight, bias = discriminant(fitted, factor)
+    return mean, weight, bias, factor, half_log_det, span, fitted, counts
 
 
 def _score(

@@ -18,8 +18,12 @@ def accuracies(world, **options) -> dict[str, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         result = frolic_tta.frolic(world.features, world.prototypes, **options)
-    rows = result.ablations(world.labels)
-    return {key: frolic_tta.accuracy(rows[key], world.labels) for key in rows}
+    return rows_of(result, world.labels)
+
+
+def rows_of(result, labels) -> dict[str, float]:
+    rows = result.ablations(labels)
+    return {key: frolic_tta.accuracy(rows[key], labels) for key in rows}
 
 
 MEANS = MEANS_WORLDS
@@ -120,8 +124,7 @@ def test_prototypes_that_are_the_means_at_large_n_are_not_under_their_best_row(n
     z_alone, z_zero_shot, z_means = result.priors.fusion_trend
     assert z_alone > 3.09 and z_zero_shot < -3.09 and z_means < -3.09, result.priors.fusion_trend
     assert result.head.zero_shot_weight != 0.0  # the pooled fusion
-    rows = result.ablations(world.labels)
-    rows = {key: frolic_tta.accuracy(rows[key], world.labels) for key in rows}
+    rows = rows_of(result, world.labels)
     assert rows["f_d"] >= best_row(rows) - 0.005
 
 
