@@ -6,7 +6,12 @@ benchmark's world; writes ``benchmarks/results/checkouts.json``). A root is a so
 given after the first. ``--geometry confident`` for the confident world (the code issue 35 was
 filed against takes minutes a fit there: ``--repeats 1``).
 
-``--labels 3b8fd27`` names a tree that is not a git checkout.
+``--labels 3b8fd27`` names a tree that is not a git checkout. ``--options`` gives each root's fits
+keyword overrides of ``fit_frolic`` (JSON, ``{}`` for none), so one root can be timed twice:
+``python benchmarks/checkouts.py OLD_ROOT . . --labels 3b8fd27 default decisions-off --options
+'{}' '{}' '{"bias_test": "off", "fusion": "pooled", "head_means": "sample"}'`` times issue 35's
+three decisions (the label-bias test, the fusion choice, the tested means) against the same
+fit without them.
 
 ``benchmarks/finalize.py`` times one checkout; its medians move by up to 15 % within an hour on
 this VM, more than many changes cost. Here every root's fits run in its own process (a package
@@ -21,17 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import common
 
 
-def child(root: str, geometry: str, size: tuple[int, int, int], repeats: int) -> None:
-    """Fit ``repeats`` times with ``root``'s package; print one JSON line."""
+def child(
+    root: str, geometry: str, size: tuple[int, int, int], repeats: int, overrides: dict[str, Any]
+) -> None:
+    """Fit ``repeats`` times with ``root``'s package and ``overrides``; print one JSON line."""
     sys.path.insert(0, root)
     import frolic_tta  # noqa: PLC0415 (the root's, not this checkout's)
 
@@ -52,7 +61,7 @@ def child(root: str, geometry: str, size: tuple[int, int, int], repeats: int) ->
         scratch = kept.clone()  # fit_frolic overwrites the zero-shot logits it is given
         start = common.now()
         options = {"solver": {"eps": 0.01}, "sums": sums, "zero_shot_logits": scratch}
-        fit = fit_frolic(x, z, tau_c=0.01, **options)
+        fit = fit_frolic(x, z, tau_c=0.01, **options, **overrides)
         if run:
             walls.append(common.now() - start)
     accuracy = float((fit.logits.argmax(1) == labels).float().mean())
@@ -74,10 +83,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds, every other one reversed")
     parser.add_argument("--repeats", type=int, default=4, help="timed fits per process")
     parser.add_argument("--labels", nargs="+", help="the first roots' names (else git commits)")
+    parser.add_argument("--options", nargs="+", help="each root's fit_frolic overrides, JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.geometry, tuple(args.size), args.repeats)
+        overrides = json.loads(args.options[0]) if args.options else {}
+        child(args.child, args.geometry, tuple(args.size), args.repeats, overrides)
         return
     roots = args.roots if len(args.roots) > 1 else [args.roots[0], str(common.ROOT)]
     roots = [str(Path(root).resolve()) for root in roots]  # the workers run from the repo root
@@ -85,26 +96,33 @@ def main() -> None:
     if len(labels) > len(roots):
         raise SystemExit(f"expected at most {len(roots)} labels, one a root; got {len(labels)}")
     labels += [label(root) for root in roots[len(labels) :]]
+    options = list(args.options or ["{}"] * len(roots))
+    if len(options) != len(roots):
+        raise SystemExit(f"expected one --options per root ({len(roots)}); got {len(options)}")
+    for text in options:
+        if not isinstance(json.loads(text), dict):
+            raise SystemExit(f"expected --options to be JSON objects, got {text!r}")
     info = common.machine_info()  # the load before the runs
-    walls: dict[str, list[float]] = {root: [] for root in roots}
-    accuracy: dict[str, float] = {}
+    walls: list[list[float]] = [[] for _ in roots]
+    accuracy: list[float] = [math.nan for _ in roots]
     for turn in range(args.rounds):
-        for root in roots if turn % 2 == 0 else roots[::-1]:  # A B, then B A
-            command = ["benchmarks/checkouts.py", root, "--child", root]
+        order = range(len(roots)) if turn % 2 == 0 else reversed(range(len(roots)))  # A B, B A
+        for at in order:
+            root = roots[at]
+            command = ["benchmarks/checkouts.py", root, "--child", root, "--options", options[at]]
             command += ["--geometry", args.geometry, "--repeats", str(args.repeats)]
             result = common.run_json_worker([*command, "--size", *map(str, args.size)], 7200)
-            walls[root] += result["walls"]
-            accuracy[root] = result["accuracy"]
-            print(root, [round(w, 3) for w in result["walls"]], flush=True)
+            walls[at] += result["walls"]
+            accuracy[at] = result["accuracy"]
+            print(labels[at], [round(w, 3) for w in result["walls"]], flush=True)
     rows = []
-    for root, name in zip(roots, labels, strict=True):
-        median = statistics.median(walls[root])
-        rows.append(
-            {"checkout": name, "median_s": median, "walls": walls[root], "accuracy": accuracy[root]}
-        )
+    for name, text, times, correct in zip(labels, options, walls, accuracy, strict=True):
+        median = statistics.median(times)
+        row = {"checkout": name, "median_s": median, "walls": times, "accuracy": correct}
+        rows.append(row if text == "{}" else {**row, "options": json.loads(text)})
         print(
-            f"{root}: fit_frolic median {median:.3f} s of {len(walls[root])}, "
-            f"range {min(walls[root]):.3f}-{max(walls[root]):.3f}; accuracy {accuracy[root]:.4f}"
+            f"{name}: fit_frolic median {median:.3f} s of {len(times)}, "
+            f"range {min(times):.3f}-{max(times):.3f}; accuracy {correct:.4f}"
         )
     record = {"machine": common.finish_info(info), "size": args.size, "rows": rows}
     results = common.read_result("checkouts") or {}

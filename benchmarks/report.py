@@ -129,6 +129,14 @@ def overhead_section(
 
 
 # ---------------------------------------------------------------- 2. finalize
+def options(row: dict[str, Any]) -> str:
+    """A checkouts row's name, with its ``fit_frolic`` overrides where it has any."""
+    given = row.get("options")
+    if not given:
+        return row["checkout"]
+    return row["checkout"] + ": " + ", ".join(f"`{k}={v!r}`" for k, v in given.items())
+
+
 def checkouts_section(p: dict[str, Any] | None) -> str:
     """``benchmarks/checkouts.py``: ``fit_frolic`` of two checkouts, alternating."""
     if p is None:
@@ -141,7 +149,7 @@ def checkouts_section(p: dict[str, Any] | None) -> str:
             rows.append(
                 [
                     f"{geometry}, {size}",
-                    row["checkout"],
+                    options(row),
                     row["median_s"],
                     f"{min(walls):.3f}–{max(walls):.3f} ({len(walls)})",
                     f"{row['accuracy']:.4f}",
