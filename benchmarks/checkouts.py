@@ -99,9 +99,9 @@ def main() -> None:
     options = list(args.options or ["{}"] * len(roots))
     if len(options) != len(roots):
         raise SystemExit(f"expected one --options per root ({len(roots)}); got {len(options)}")
-    for text in options:
-        if not isinstance(json.loads(text), dict):
-            raise SystemExit(f"expected --options to be JSON objects, got {text!r}")
+    overrides = [json.loads(text) for text in options]
+    if not all(isinstance(given, dict) for given in overrides):
+        raise SystemExit(f"expected --options to be JSON objects, got {options}")
     info = common.machine_info()  # the load before the runs
     walls: list[list[float]] = [[] for _ in roots]
     accuracy: list[float] = [math.nan for _ in roots]
@@ -116,10 +116,10 @@ def main() -> None:
             accuracy[at] = result["accuracy"]
             print(labels[at], [round(w, 3) for w in result["walls"]], flush=True)
     rows = []
-    for name, text, times, correct in zip(labels, options, walls, accuracy, strict=True):
+    for name, given, times, correct in zip(labels, overrides, walls, accuracy, strict=True):
         median = statistics.median(times)
         row = {"checkout": name, "median_s": median, "walls": times, "accuracy": correct}
-        rows.append(row if text == "{}" else {**row, "options": json.loads(text)})
+        rows.append({**row, "options": given} if given else row)
         print(
             f"{name}: fit_frolic median {median:.3f} s of {len(times)}, "
             f"range {min(times):.3f}-{max(times):.3f}; accuracy {correct:.4f}"

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -167,37 +168,48 @@ def held_out_trend(
     return torch.tensor(statistics, dtype=torch.float64), 2 + len(labels)
 
 
-def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> tuple:
-    r"""``(mean (d,), W (K, r), b (K,), factor (r, r), log det / 2, span, centred means (K, r),
-    counts (K,))`` of the mixture refitted on ``refit``: :math:`\ln\mathcal N(x; \mu_j,
-    \Sigma) = w_j^\top y + b_j - \frac12 y^\top\Sigma^{-1}y - \frac12\ln|\Sigma|` (+ const),
-    :math:`y` the centred features on the span."""
+class _Mixture(NamedTuple):
+    r"""A fold's mixture: :math:`\ln\mathcal N(x; \mu_j, \Sigma) = w_j^\top y + b_j -
+    \frac12 y^\top\Sigma^{-1}y - \frac12\ln|\Sigma|` (+ const), :math:`y` the features less
+    ``mean`` on the span."""
+
+    mean: Tensor  # (d,)
+    weight: Tensor  # W (K, r)
+    bias: Tensor  # b (K,)
+    factor: Tensor  # Cholesky factor of Sigma (r, r)
+    half_log_det: Tensor  # ln|Sigma| / 2
+    span: Tensor | None  # (d, r)
+    centred: Tensor  # the class means less ``mean``, on the span (K, r)
+    counts: Tensor  # soft counts (K,)
+
+
+def _scorer(refit: MomentSums, prototypes: Tensor, span: Tensor | None) -> _Mixture:
+    """The mixture refitted on ``refit``."""
     _, means, weights, _ = shared_covariance(refit, prototypes, "soft", None)
     centred, factor, _ = within_factor(means, weights, refit, span)
     weight, bias = discriminant(centred, factor)
     half_log_det = torch.log(factor.diagonal()).sum()
     mean = refit.feature_sum / refit.count
-    return mean, weight, bias, factor, half_log_det, span, centred, weights * refit.count
+    return _Mixture(mean, weight, bias, factor, half_log_det, span, centred, weights * refit.count)
 
 
-def _image(model: tuple, prototypes: Tensor) -> tuple:
+def _image(model: _Mixture, prototypes: Tensor) -> _Mixture:
     r"""``model`` (:func:`_scorer`'s) with its means replaced by the prototypes' image
     :math:`\hat c + \hat a z_j` (:func:`~frolic_tta.prototype_means.prototype_statistic`,
     fitted in its own :math:`\Sigma^{-1}` with its weights' counts; ``model`` itself where no
     image can be fitted: a Z of 0)."""
-    mean, _, _, factor, half_log_det, span, centred, counts = model
-    z = prototypes.to(centred)
-    z = z if span is None else z @ span.to(z)
-    covariance = factor @ factor.t()
-    fitted, _, _, _ = prototype_statistic(centred, covariance, counts, z, None)
-    weight, bias = discriminant(fitted, factor)
-    return mean, weight, bias, factor, half_log_det, span, fitted, counts
+    z = prototypes.to(model.centred)
+    z = z if model.span is None else z @ model.span.to(z)
+    covariance = model.factor @ model.factor.t()
+    fitted, _, _, _ = prototype_statistic(model.centred, covariance, model.counts, z, None)
+    weight, bias = discriminant(fitted, model.factor)
+    return model._replace(weight=weight, bias=bias, centred=fitted)
 
 
 def _score(
     features: Tensor,
     fold: Tensor,
-    models: list[list[tuple]],
+    models: list[list[_Mixture]],
     pairs: Sequence[tuple[int, int]],
     log_prior: Tensor,
     chunk_size: int | None,
@@ -222,12 +234,11 @@ def _score(
     return out.flatten().cpu()
 
 
-def _log_density(x: Tensor, model: tuple, log_prior: Tensor, dtype: torch.dtype) -> Tensor:
+def _log_density(x: Tensor, model: _Mixture, log_prior: Tensor, dtype: torch.dtype) -> Tensor:
     r""":math:`\ln\sum_j \pi_j\mathcal N(x_i; \mu_j, \Sigma)` up to a constant, ``(n,)``."""
-    mean, weight, bias, factor, half_log_det, span = model[:6]
-    y = x.to(torch.float64) - mean.to(x.device)
-    y = (y if span is None else y @ span.to(y)).to(dtype)
-    g = y @ weight.to(y).t() + (bias + log_prior.to(bias)).to(y)
-    solved = torch.linalg.solve_triangular(factor.to(y), y.t(), upper=False)
+    y = x.to(torch.float64) - model.mean.to(x.device)
+    y = (y if model.span is None else y @ model.span.to(y)).to(dtype)
+    g = y @ model.weight.to(y).t() + (model.bias + log_prior.to(model.bias)).to(y)
+    solved = torch.linalg.solve_triangular(model.factor.to(y), y.t(), upper=False)
     quad = 0.5 * solved.square().sum(0)
-    return torch.logsumexp(g, 1) - quad - half_log_det.to(y)
+    return torch.logsumexp(g, 1) - quad - model.half_log_det.to(y)
